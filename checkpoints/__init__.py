@@ -1,0 +1,1 @@
+"""Orbax checkpoints of the train state and the data iterator, with automatic resume."""

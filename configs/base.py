@@ -1,0 +1,89 @@
+"""Every configuration field, with its default and meaning. Other configs start from this one.
+
+Run:  python train.py --config configs/base.py --workdir runs/base
+(the base model is a small 4-layer decoder; real runs pick configs/llama_*.py or tiny.py).
+Override any field on the command line: --config.attention.layout=zigzag --config.train.steps=100
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "base"  # run name: default workdir is runs/<name>-<time>
+
+    c.model = m = ml_collections.ConfigDict()
+    m.vocab_size = 32000  # tokenizer vocabulary (a trained BPE gets exactly this many tokens)
+    m.d_model = 512  # residual stream width
+    m.num_layers = 4  # decoder blocks (scanned: compile time does not grow with depth)
+    m.num_heads = 8  # query heads
+    m.num_kv_heads = 8  # key/value heads; < num_heads is GQA (must divide num_heads)
+    m.head_dim = 0  # per-head width; 0 means d_model // num_heads
+    m.ffn_dim = 1376  # SwiGLU hidden width
+    m.rope_theta = 10000.0  # RoPE base frequency
+    m.norm_eps = 1e-5  # RMSNorm epsilon
+    m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))
+    m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
+    m.param_dtype = "float32"  # parameters and optimizer state stay in fp32
+    m.remat = "full"  # activation checkpointing per layer: none | attention | full | offload
+    m.scan_layers = True  # lax.scan over layers (False unrolls; only for debugging)
+
+    c.attention = a = ml_collections.ConfigDict()
+    a.impl = "ring"  # ring: context-parallel attention over the sequence axis; dense: reference
+    a.layout = "striped"  # contiguous (ring baseline) | striped (the paper) | zigzag; drives data too
+    a.stripe = 1  # striped layout: consecutive tokens per stripe (1 is the paper)
+    a.block_q = 512  # query tile length inside each device's chunk (must divide it)
+    a.block_kv = 512  # key/value tile length inside each device's chunk (must divide it)
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1  # pure data parallelism (params replicated)
+    c.mesh.fsdp = -1  # data parallelism with params/optimizer sharded; -1 fills the devices left
+    c.mesh.sequence = 1  # context parallelism: the ring's length (sequence split over devices)
+    c.mesh.tensor = 1  # tensor parallelism over heads and the MLP hidden dim
+
+    c.data = d = ml_collections.ConfigDict()
+    d.source = "stdlib"  # stdlib | text | jsonl | parquet | hf | tfds
+    d.path = ""  # text/jsonl/parquet: file, glob or comma list; hf: dataset name or local dir
+    d.text_field = "text"  # jsonl/parquet/hf/tfds: the field holding each document's text
+    d.hf_config = ""  # hf: dataset config name ("" for none)
+    d.split = "train"  # hf/tfds split to read
+    d.data_dir = ""  # tfds: data_dir of the prepared dataset
+    d.streaming = False  # text/jsonl/parquet/hf: stream instead of loading in memory
+    d.tokenizer = ""  # path to a tokenizer.json; "" trains a byte-level BPE on the source (cached)
+    d.cache_dir = ".cache/data"  # where trained tokenizers and token caches live
+    d.max_docs = 0  # read at most this many documents (0 = all)
+    d.seq_len = 2048  # tokens per row (global, before the sequence axis splits it)
+    d.batch_size = 8  # rows per step, global (split over the data and fsdp axes)
+    d.reset_positions_at_doc = True  # position ids restart at each packed document
+    d.heldout_fraction = 0.02  # fraction of documents held out for evaluation, never trained on
+    d.shuffle_seed = 0  # document order per epoch derives from this seed
+    d.prefetch = 2  # batches built ahead in a background thread
+
+    c.train = t = ml_collections.ConfigDict()
+    t.steps = 1000  # optimizer steps
+    t.lr = 3e-4  # peak learning rate
+    t.warmup_steps = 100  # linear warmup from 0 to lr
+    t.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    t.weight_decay = 0.1  # AdamW decoupled decay (not applied to norms and biases)
+    t.b1 = 0.9  # AdamW beta1
+    t.b2 = 0.95  # AdamW beta2
+    t.eps = 1e-8  # AdamW epsilon
+    t.grad_clip = 1.0  # global-norm clipping (0 disables)
+    t.seed = 0  # parameter init and any sampling
+    t.log_every = 10  # steps between metric reads (the only host syncs in the loop)
+    t.eval_every = 0  # steps between held-out evaluations (0: only at the end)
+    t.eval_batches = 4  # held-out batches per evaluation
+    t.peak_tflops = 0.0  # per-device peak for MFU; 0 looks the device up in a table
+
+    c.checkpoint = k = ml_collections.ConfigDict()
+    k.every = 500  # steps between checkpoints (0 disables periodic saves; the last step saves)
+    k.keep = 3  # newest checkpoints kept
+    k.keep_every = 0  # also keep every checkpoint whose step is a multiple of this (milestones)
+    k.async_save = True  # write in the background while training continues
+    k.restore_from = ""  # start from another run's checkpoint dir (its newest step)
+    k.restore_weights_only = False  # with restore_from: take params only, fresh optimizer/data
+
+    c.wandb = w = ml_collections.ConfigDict()
+    w.mode = "disabled"  # disabled | offline | online
+    w.project = "stripedjax"  # wandb project
+    w.entity = ""  # wandb entity ("" = default)
+    return c

@@ -1,0 +1,1 @@
+"""LLaMA-style decoder (Flax NNX) whose attention calls the backends in parallel/."""

@@ -1,0 +1,34 @@
+"""Closed-form parameter and FLOP counts from the config (no arrays built)."""
+from __future__ import annotations
+
+
+def head_dim(m) -> int:
+    return m.head_dim or m.d_model // m.num_heads
+
+
+def param_count(m) -> int:
+    """Exact parameter count of model.Decoder for model config ``m``."""
+    hd = head_dim(m)
+    attn = m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads)  # wq, wo, wk, wv
+    mlp = 3 * m.d_model * m.ffn_dim  # w_gate, w_up, w_down
+    norms = 2 * m.d_model
+    embed_and_head = 2 * m.vocab_size * m.d_model  # untied
+    return m.num_layers * (attn + mlp + norms) + embed_and_head + m.d_model  # + final norm
+
+
+def matmul_params(m) -> int:
+    """Parameters that take part in a matmul per token (everything but norms and the embedding)."""
+    return param_count(m) - m.vocab_size * m.d_model - (2 * m.num_layers + 1) * m.d_model
+
+
+def attention_flops_per_token(m, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs per token of QK^T and PV: fwd 4*L*Hq*hd per layer, x3 for fwd+bwd.
+
+    The causal mask halves the useful work (counted as L/2 keys per query on average)."""
+    keys = seq_len / 2 if causal else seq_len
+    return 3 * 4 * m.num_layers * keys * m.num_heads * head_dim(m)
+
+
+def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
+    """Model FLOPs per trained token: 6 N (matmul params) plus attention, with the causal half."""
+    return 6 * matmul_params(m) + attention_flops_per_token(m, seq_len, causal)

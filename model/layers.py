@@ -1,0 +1,117 @@
+"""Decoder building blocks: RMSNorm, RoPE from explicit position ids, GQA attention, SwiGLU.
+
+Parameters are fp32 ``nnx.Param``s carrying logical ``axes`` (see parallel/mesh.py RULES);
+compute runs in ``dtype``. Activations are [B, L, ...] in whatever token layout the batch uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x_BLHD, positions_BL, theta: float):
+    """Rotary embedding of the given true positions (never the array index: layouts permute)."""
+    d = x_BLHD.shape[-1]
+    freqs = theta ** (-np.arange(0, d, 2, dtype=np.float32) / d)
+    angle_BLF = positions_BL.astype(jnp.float32)[..., None] * freqs
+    cos, sin = jnp.cos(angle_BLF)[:, :, None, :], jnp.sin(angle_BLF)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLHD.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHD.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """Which attention kernel runs and over which mesh; static (hashable) model metadata."""
+    impl: str = "dense"  # dense | ring
+    layout: str = "contiguous"
+    stripe: int = 1
+    block_q: int = 512
+    block_kv: int = 512
+    mesh: Mesh | None = None
+
+    def natural_index(self, seq_len: int):
+        """True token index of each slot in layout order: the attention mask's positions."""
+        from parallel.layouts import permutation
+        shards = self.mesh.shape["sequence"] if self.mesh is not None else 1
+        return jnp.asarray(permutation(self.layout, seq_len, shards, self.stripe))
+
+    def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL):
+        if self.impl == "ring":
+            from parallel.attention import context_parallel_attention
+            return context_parallel_attention(
+                q_BLHD, k_BLKD, v_BLKD, mesh=self.mesh, layout=self.layout, positions=None,
+                segment_ids=segment_ids_BL, stripe=self.stripe, block_q=self.block_q,
+                block_kv=self.block_kv)
+        from parallel.blockwise import dense_attention
+        B, L = q_BLHD.shape[:2]
+        index_BL = jnp.broadcast_to(self.natural_index(L), (B, L))
+        return dense_attention(q_BLHD, k_BLKD, v_BLKD, positions=index_BL,
+                               segment_ids=segment_ids_BL)
+
+
+class Attention(nnx.Module):
+    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
+        d, hd = m.d_model, m.head_dim or m.d_model // m.num_heads
+        std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
+        self.wq = _param(rngs, (d, m.num_heads, hd), ("embed", "heads", "head_dim"), std)
+        self.wk = _param(rngs, (d, m.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = _param(rngs, (d, m.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
+        self.wo = _param(rngs, (m.num_heads, hd, d), ("heads", "head_dim", "embed"), out_std)
+        self.theta, self.backend, self.dtype = m.rope_theta, backend, dtype
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        c = lambda p: p[...].astype(self.dtype)
+        q_BLHD = rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wq)), positions_BL, self.theta)
+        k_BLKD = rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wk)), positions_BL, self.theta)
+        v_BLKD = jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wv))
+        o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL)
+        return jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype), c(self.wo))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, m, dtype, rngs: nnx.Rngs):
+        std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
+        self.w_gate = _param(rngs, (m.d_model, m.ffn_dim), ("embed", "mlp"), std)
+        self.w_up = _param(rngs, (m.d_model, m.ffn_dim), ("embed", "mlp"), std)
+        self.w_down = _param(rngs, (m.ffn_dim, m.d_model), ("mlp", "embed"), out_std)
+        self.dtype = dtype
+
+    def __call__(self, x_BLD):
+        c = lambda p: p[...].astype(self.dtype)
+        h_BLF = jax.nn.silu(x_BLD @ c(self.w_gate)) * (x_BLD @ c(self.w_up))
+        return h_BLF @ c(self.w_down)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.attn = Attention(m, backend, dtype, rngs)
+        self.mlp_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.mlp = SwiGLU(m, dtype, rngs)
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
+        return x_BLD + self.mlp(self.mlp_norm(x_BLD))

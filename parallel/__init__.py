@@ -1,0 +1,1 @@
+"""Mesh, sharding rules, token layouts and context-parallel (ring) attention."""

@@ -1,0 +1,28 @@
+"""Train a long-context decoder from a config.
+
+    python train.py --config configs/tiny.py --workdir runs/demo --config.train.steps=50
+
+Everything the run writes lands in --workdir (default runs/<config name>-<time>); running the
+same command on a directory with checkpoints resumes from the newest complete one.
+"""
+import pathlib
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default runs/<name>-<time>)")
+
+
+def main(argv):
+    del argv
+    from training.entry import main_with_errors  # after absl parsed flags: imports jax
+    config = _CONFIG.value
+    workdir = pathlib.Path(_WORKDIR.value or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    sys.exit(main_with_errors(config, workdir))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,68 @@
+"""Where metrics go: metrics.jsonl / eval.jsonl in the run directory, a progress bar, wandb."""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import jax
+
+
+class MetricsLogger:
+    def __init__(self, workdir: pathlib.Path, config, start_step: int):
+        self.main = jax.process_index() == 0
+        self.workdir = workdir
+        self.bar = self.run = None
+        if not self.main:
+            return
+        from tqdm import tqdm
+        self.bar = tqdm(total=config.train.steps, initial=start_step, unit="step",
+                        dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
+        if config.wandb.mode != "disabled":
+            import wandb
+            self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity or None,
+                                  mode=config.wandb.mode, dir=str(workdir), name=workdir.name,
+                                  id=workdir.name.replace("/", "_"), resume="allow",
+                                  config=config.to_dict())
+
+    def _append(self, name: str, record: dict):
+        with open(self.workdir / name, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def train(self, record: dict):
+        if not self.main:
+            return
+        self._append("metrics.jsonl", record)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+        if self.run is not None:
+            self.run.log({f"train/{k}": v for k, v in record.items() if k != "step"},
+                         step=record["step"])
+
+    def eval(self, record: dict):
+        if not self.main:
+            return
+        self._append("eval.jsonl", record)
+        self.write(f"step {record['step']}: held-out loss {record['eval_loss']:.4f} "
+                   f"(ppl {record['eval_ppl']:.1f})")
+        if self.run is not None:
+            self.run.log({f"eval/{k}": v for k, v in record.items() if k != "step"},
+                         step=record["step"])
+
+    def advance(self, n: int = 1):
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def write(self, msg: str):
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        if self.run is not None:
+            self.run.finish()

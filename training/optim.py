@@ -1,0 +1,29 @@
+"""AdamW with warmup + cosine, global-norm clipping, no weight decay on norm scales."""
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+
+def schedule(t) -> optax.Schedule:
+    decay = max(t.steps - t.warmup_steps, 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
+        decay_steps=t.warmup_steps + decay, end_value=t.lr * t.min_lr_ratio)
+
+
+def decay_mask(abstract_params):
+    """True where weight decay applies: every Param except norm scales (and biases, if any).
+
+    Read from the logical axes rather than ndim: stacked per-layer norm scales are 2-D."""
+    return nnx.to_pure_dict(jax.tree.map(
+        lambda v: not ({"norm", "bias"} & set(v.get_metadata().get("axes") or ())),
+        abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def make_optimizer(t, mask) -> optax.GradientTransformation:
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    parts.append(optax.adamw(schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+                             weight_decay=t.weight_decay, mask=mask))
+    return optax.chain(*parts)

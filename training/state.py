@@ -1,0 +1,110 @@
+"""Sharded train state, its creation, and the pure jitted train / eval steps."""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from model.decoder import Decoder, backend_from_config
+from parallel.mesh import batch_sharding, param_shardings
+from training.optim import decay_mask, make_optimizer
+
+BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids", "loss_mask")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # pure nested dict of fp32 arrays (nnx.to_pure_dict layout)
+    opt_state: Any
+    bad_step: jax.Array  # int32: first step whose loss was not finite, -1 while all are
+
+
+def masked_loss(logits_BLV, labels_BL, mask_BL):
+    """Mean next-token cross-entropy over unmasked tokens; order-free, so any layout works."""
+    ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, labels_BL)
+    count = jnp.maximum(mask_BL.sum(), 1.0)
+    return (ce_BL * mask_BL).sum() / count, count
+
+
+class Trainer:
+    """Builds the model's structure once and holds the jitted, sharded step functions."""
+
+    def __init__(self, config, mesh):
+        self.config, self.mesh = config, mesh
+        backend = backend_from_config(config, mesh)
+        m = config.model
+        abstract_model = nnx.eval_shape(lambda: Decoder(m, backend, nnx.Rngs(0)))
+        self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+        self.param_shardings = nnx.to_pure_dict(param_shardings(abstract_params, mesh))
+        self.optimizer = make_optimizer(config.train, decay_mask(abstract_params))
+        self._backend = backend
+        replicated = NamedSharding(mesh, P())
+        abstract_pure = nnx.to_pure_dict(abstract_params)
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_pure)
+        # Optimizer moments mirror the params' shardings; counters are replicated.
+        opt_shardings = _like_params(abstract_opt, abstract_pure, self.param_shardings, replicated)
+        self.state_shardings = TrainState(step=replicated, params=self.param_shardings,
+                                          opt_state=opt_shardings, bad_step=replicated)
+        self.batch_shardings = {k: batch_sharding(mesh) for k in BATCH_KEYS}
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_pure,
+                       opt_state=abstract_opt, bad_step=jax.ShapeDtypeStruct((), jnp.int32)),
+            self.state_shardings)
+
+        self.init = jax.jit(self._init, out_shardings=self.state_shardings)
+        self.train_step = jax.jit(
+            self._train_step, in_shardings=(self.state_shardings, self.batch_shardings),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.eval_step = jax.jit(
+            self._eval_step, in_shardings=(self.param_shardings, self.batch_shardings),
+            out_shardings=replicated)
+
+    def _init(self, seed):
+        model = Decoder(self.config.model, self._backend, nnx.Rngs(jax.random.key(seed)))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=self.optimizer.init(params),
+                          bad_step=jnp.full((), -1, jnp.int32))
+
+    def loss(self, params, batch):
+        model = nnx.merge(self.graphdef, params)
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        return masked_loss(logits, batch["labels"], batch["loss_mask"])
+
+    def _train_step(self, state: TrainState, batch):
+        (loss, count), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss)
+        bad_step = jnp.where((state.bad_step < 0) & ~finite, state.step, state.bad_step)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count,
+                   "bad_step": bad_step}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                          bad_step=bad_step), metrics
+
+    def _eval_step(self, params, batch):
+        loss, count = self.loss(params, batch)
+        return {"loss_sum": loss * count, "tokens": count}
+
+
+def _like_params(abstract_opt, abstract_params, param_shardings, replicated):
+    """Shardings for an optax state: any subtree shaped like the params gets their shardings."""
+    params_def = jax.tree.structure(abstract_params)
+
+    def visit(node):
+        if jax.tree.structure(node) == params_def:
+            return param_shardings
+        if isinstance(node, jax.ShapeDtypeStruct):
+            return replicated
+        return None
+
+    return jax.tree.map(visit, abstract_opt,
+                        is_leaf=lambda n: isinstance(n, jax.ShapeDtypeStruct) or
+                        jax.tree.structure(n) == params_def)

@@ -1,0 +1,92 @@
+"""Config validation before anything compiles: each mistake is one line naming field and fix."""
+from __future__ import annotations
+
+from model.decoder import DTYPES, REMAT
+from parallel.layouts import LAYOUTS, LayoutError, check as check_layout
+from parallel.mesh import AXES, MeshError, mesh_shape
+
+SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
+IMPLS = ("ring", "dense")
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the field, the value and what is valid."""
+
+
+def _need(ok: bool, msg: str):
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(config, num_devices: int) -> dict[str, int]:
+    """Checks every field a run depends on; returns the resolved mesh axis sizes."""
+    m, a, d, t, k = config.model, config.attention, config.data, config.train, config.checkpoint
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
+        _need(m[name] >= 1, f"model.{name}={m[name]} must be >= 1")
+    _need(m.num_heads % m.num_kv_heads == 0,
+          f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} (GQA groups)")
+    if not m.head_dim:
+        _need(m.d_model % m.num_heads == 0,
+              f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+              f"set model.head_dim or pick heads dividing {m.d_model}")
+    hd = m.head_dim or m.d_model // m.num_heads
+    _need(hd % 2 == 0, f"head dim {hd} must be even for RoPE (model.head_dim / d_model / num_heads)")
+    _need(m.dtype in (*DTYPES, "auto"), f"model.dtype={m.dtype!r} is not one of float32, bfloat16, auto")
+    _need(m.param_dtype == "float32", f"model.param_dtype={m.param_dtype!r}: only float32 is supported")
+    _need(m.remat in REMAT, f"model.remat={m.remat!r} is not one of {', '.join(REMAT)}")
+
+    _need(a.impl in IMPLS, f"attention.impl={a.impl!r} is not one of {', '.join(IMPLS)}")
+    _need(a.layout in LAYOUTS, f"attention.layout={a.layout!r} is not one of {', '.join(LAYOUTS)}")
+    _need(a.stripe >= 1, f"attention.stripe={a.stripe} must be >= 1")
+
+    try:
+        sizes = mesh_shape(config.mesh, num_devices)
+    except MeshError as e:
+        raise ConfigError(str(e)) from None
+    for field in ("num_heads", "num_kv_heads"):
+        _need(m[field] % sizes["tensor"] == 0,
+              f"model.{field}={m[field]} is not divisible by mesh.tensor={sizes['tensor']}; "
+              f"use a tensor axis size that divides it")
+    _need(m.ffn_dim % sizes["tensor"] == 0,
+          f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tensor={sizes['tensor']}")
+
+    _need(d.source in SOURCES, f"data.source={d.source!r} is not one of {', '.join(SOURCES)}")
+    _need(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    rows = sizes["data"] * sizes["fsdp"]
+    _need(d.batch_size >= 1 and d.batch_size % rows == 0,
+          f"data.batch_size={d.batch_size} must be a positive multiple of mesh data x fsdp = {rows}")
+    n = sizes["sequence"]
+    try:
+        check_layout(a.layout, d.seq_len, n, a.stripe)
+    except LayoutError as e:
+        raise ConfigError(f"data.seq_len: {e}") from None
+    chunk = d.seq_len // n
+    if a.impl == "ring":
+        for field in ("block_q", "block_kv"):
+            b = a[field]
+            _need(b >= 1 and chunk % b == 0,
+                  f"attention.{field}={b} must divide the per-device chunk seq_len/sequence = "
+                  f"{d.seq_len}/{n} = {chunk}; valid: {_divisors(chunk)}")
+    _need(0 < d.heldout_fraction < 1, f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
+    _need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
+
+    _need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _need(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    _need(0 <= t.warmup_steps <= t.steps,
+          f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps}]")
+    _need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _need(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+    _need(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every and train.eval_batches must be >= 0")
+    _need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
+    _need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be >= 0 (0 = device table)")
+    _need(k.every >= 0 and k.keep >= 1,
+          f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")
+    _need(config.wandb.mode in WANDB_MODES,
+          f"wandb.mode={config.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
+    return sizes
+
+
+def _divisors(n: int) -> str:
+    ds = [x for x in range(1, n + 1) if n % x == 0]
+    return ", ".join(map(str, ds if len(ds) <= 12 else ds[:6] + ["..."] + ds[-3:]))
