@@ -1,0 +1,109 @@
+"""The resumable training iterator with a background prefetch thread.
+
+Every batch is a pure function of its first global row ``g`` (epoch ``g // rows_per_epoch``,
+row ``g % rows_per_epoch``), so the iterator's state is just the next row to yield, plus the
+facts that must match on restore. The prefetch thread runs ahead, but ``state()`` describes
+the consumer's position, never the thread's.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from data import DataError
+
+_STOP_POLL_S = 0.1
+
+
+class TrainIterator:
+    def __init__(self, build: Callable[[int], dict], batch_rows: int, rows_per_epoch: int,
+                 prefetch: int, identity: dict):
+        """``build(g)`` makes the batch whose first global row is ``g``; ``identity`` holds the
+        ints/strings a saved state must match (tokenizer, seq_len, documents, shuffle seed)."""
+        self._build, self._batch_rows, self._rows_per_epoch = build, batch_rows, rows_per_epoch
+        self._prefetch, self._identity = max(0, int(prefetch)), dict(identity)
+        self._row = 0
+        self._thread = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+
+    # -- state ---------------------------------------------------------------------------
+    def state(self) -> dict:
+        epoch, row = divmod(self._row, self._rows_per_epoch)
+        return {"epoch": epoch, "row": row, "rows_per_epoch": self._rows_per_epoch,
+                **self._identity}
+
+    def restore(self, state: dict) -> None:
+        """Continue exactly where ``state`` (from ``state()``) was taken."""
+        for key in ("epoch", "row", "rows_per_epoch", *self._identity):
+            if key not in state:
+                raise DataError(f"data iterator state lacks {key!r}; it is not from this pipeline")
+        for key, value in self._identity.items():
+            if state[key] != value:
+                raise DataError(f"data iterator state does not match this pipeline: {key} is "
+                                f"{state[key]!r} in the checkpoint but {value!r} now")
+        if state["rows_per_epoch"] != self._rows_per_epoch:
+            raise DataError(f"data iterator state does not match this pipeline: rows_per_epoch is "
+                            f"{state['rows_per_epoch']} in the checkpoint but "
+                            f"{self._rows_per_epoch} now (different data or seq_len)")
+        self._halt()
+        self._row = int(state["epoch"]) * self._rows_per_epoch + int(state["row"])
+
+    # -- iteration -----------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._prefetch == 0:
+            batch = self._build(self._row)
+        else:
+            if self._thread is None:
+                self._start()
+            row, batch = self._queue.get()
+            if isinstance(batch, BaseException):
+                self._halt()
+                raise batch
+            assert row == self._row, (row, self._row)
+        self._row += self._batch_rows
+        return batch
+
+    def close(self) -> None:
+        """Stops the prefetch thread; ``next`` would start a new one from the same position."""
+        self._halt()
+
+    # -- the prefetch thread -------------------------------------------------------------
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self._prefetch)
+        self._thread = threading.Thread(target=self._produce, args=(self._row, self._queue, self._stop),
+                                        name="data-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self, row: int, out: queue.Queue, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                item = (row, self._build(row))
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = (row, e)
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=_STOP_POLL_S)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item[1], BaseException):
+                return
+            row += self._batch_rows
+
+    def _halt(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        self._thread, self._queue = None, None
+
+    def __del__(self):
+        try:
+            self._halt()
+        except Exception:
+            pass

@@ -1,0 +1,165 @@
+"""The data pipeline the trainer calls: ``make_pipeline(config, mesh)``.
+
+source -> tokenizer (trained once, cached) -> tokenized corpus (cached) -> held-out split ->
+per-epoch shuffled packing -> layout permutation -> global arrays sharded on the mesh.
+
+Batches are dicts of global ``jax.Array``s ``[B, L]`` in layout order, sharded
+``P(("data", "fsdp"), "sequence")``: ``tokens``, ``labels`` (int32), ``positions`` (int32 true
+RoPE positions), ``segment_ids`` (int32, documents 1.. within a row, 0 for padding) and
+``loss_mask`` (float32, 0 on padding).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from tokenizers import Tokenizer
+
+from data import DataError, batching, packing, sources, split, tokenizer as tok_lib, tokens
+from data.batching import from_layout, to_layout  # noqa: F401  (part of the public API)
+from data.iterator import TrainIterator
+from parallel import layouts
+
+__all__ = ["Pipeline", "make_pipeline", "to_layout", "from_layout", "DataError"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    num_shards: int
+    stripe: int
+
+    def perm(self, seq_len: int) -> np.ndarray:
+        return layouts.permutation(self.name, seq_len, self.num_shards, self.stripe)
+
+
+class RowSource:
+    """Global rows ``g`` of a repeated stream of passes, ``order_of(pass_index)`` each."""
+
+    def __init__(self, corpus: tokens.Corpus, order_of, eos_id: int, seq_len: int, reset: bool):
+        self.corpus, self.order_of, self.eos_id = corpus, order_of, eos_id
+        self.seq_len, self.reset = seq_len, reset
+        self._cached = (None, None)  # (pass index, PackedPass): one tuple, swapped atomically
+        self.rows_per_pass = self._packed(0).num_rows  # the same for every order of the docs
+
+    def _packed(self, index: int) -> packing.PackedPass:
+        cached_index, packed = self._cached
+        if cached_index != index:
+            packed = packing.PackedPass(self.corpus.tokens, self.corpus.offsets,
+                                        self.order_of(index), self.eos_id, self.seq_len, self.reset)
+            self._cached = (index, packed)
+        return packed
+
+    def rows(self, first: int, count: int) -> dict[str, np.ndarray]:
+        """Natural-order rows ``first .. first+count-1``, crossing pass boundaries as needed."""
+        parts, g, end = [], first, first + count
+        while g < end:
+            index, r = divmod(g, self.rows_per_pass)
+            n = min(end - g, self.rows_per_pass - r)
+            parts.append(self._packed(index).rows(r, n))
+            g += n
+        if len(parts) == 1:
+            return parts[0]
+        return {k: np.concatenate([p[k] for p in parts]) for k in packing.KEYS}
+
+
+class Pipeline:
+    def __init__(self, config, mesh: Mesh):
+        d = config.data
+        self.seq_len, self.batch_size = int(d.seq_len), int(d.batch_size)
+        self.layout = Layout(config.attention.layout, int(mesh.shape["sequence"]),
+                             int(config.attention.stripe))
+        _check_shapes(self.seq_len, self.batch_size, self.layout, mesh)
+        self.mesh = mesh
+        self.sharding = batching.batch_sharding(mesh)
+        self.global_shape = (self.batch_size, self.seq_len)
+        self._rows, self._cols = batching.process_block(self.sharding, self.global_shape)
+        self._perm = self.layout.perm(self.seq_len)
+
+        self.source = sources.make_source(d)
+        key = f"{self.source.signature()}\0max_docs={int(d.max_docs)}"
+        docs = lambda: sources.documents(self.source, int(d.max_docs))  # noqa: E731
+        vocab = int(config.model.vocab_size)
+        if d.tokenizer:
+            self.tokenizer: Tokenizer = tok_lib.load(d.tokenizer, vocab)
+            self.tokenizer_path = d.tokenizer
+        else:
+            self.tokenizer, self.tokenizer_path = tok_lib.cached_bpe(
+                d.cache_dir, key, vocab, docs, self.source.description)
+        self.fingerprint = tok_lib.fingerprint(self.tokenizer)
+        # The model's embedding size; a tokenizer with fewer entries leaves some rows unused.
+        self.vocab_size = vocab
+        self.eos_id = tok_lib.eos_id(self.tokenizer)
+        self.corpus, self.corpus_path = tokens.cached_corpus(
+            d.cache_dir, key, self.fingerprint, self.tokenizer, docs, self.source.description)
+
+        self.train_ids, self.heldout_ids = split.heldout_split(self.corpus.num_docs,
+                                                               float(d.heldout_fraction))
+        self.shuffle_seed = int(d.shuffle_seed)
+        reset = bool(d.reset_positions_at_doc)
+        self._train_rows = RowSource(
+            self.corpus, lambda epoch: packing.epoch_order(self.train_ids, self.shuffle_seed, epoch),
+            self.eos_id, self.seq_len, reset)
+        self._heldout_rows = RowSource(self.corpus, lambda _: self.heldout_ids, self.eos_id,
+                                       self.seq_len, reset)
+        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
+                    "documents": int(self.train_ids.size), "shuffle_seed": self.shuffle_seed}
+        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
+                                   int(d.prefetch), identity)
+
+    # -- batches -------------------------------------------------------------------------
+    def host_batch(self, first_row: int, heldout: bool = False, natural: bool = False) -> dict:
+        """This process's block of the batch whose first global row is ``first_row``, as numpy.
+
+        Layout order unless ``natural``; the full batch when there is one process."""
+        rows = self._heldout_rows if heldout else self._train_rows
+        batch = rows.rows(first_row + self._rows.start, self._rows.stop - self._rows.start)
+        if natural:
+            return batch
+        return {k: np.ascontiguousarray(v[:, self._perm[self._cols]]) for k, v in batch.items()}
+
+    def device_batch(self, first_row: int, heldout: bool = False) -> dict:
+        return batching.to_global(self.host_batch(first_row, heldout), self.sharding,
+                                  self.global_shape)
+
+    def heldout_batches(self, n: int) -> list[dict]:
+        """The same ``n`` batches every call, from held-out documents only (repeated when the
+        held-out documents fill fewer than ``n`` batches)."""
+        return [self.device_batch(i * self.batch_size, heldout=True) for i in range(n)]
+
+    # -- facts for logs ------------------------------------------------------------------
+    @property
+    def rows_per_epoch(self) -> int:
+        return self._train_rows.rows_per_pass
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return int(self.corpus.lengths[self.train_ids].sum() + self.train_ids.size)
+
+    def describe(self) -> str:
+        return (f"data: {self.source.description}: {self.corpus.num_docs} documents "
+                f"({self.train_ids.size} train, {self.heldout_ids.size} held out), "
+                f"{self.tokens_per_epoch} training tokens per epoch, tokenizer {self.fingerprint} "
+                f"({self.tokenizer.get_vocab_size()} tokens), layout {self.layout.name} "
+                f"over {self.layout.num_shards} shards")
+
+
+def _check_shapes(seq_len: int, batch_size: int, layout: Layout, mesh: Mesh) -> None:
+    if seq_len < 1 or batch_size < 1:
+        raise DataError(f"data.seq_len ({seq_len}) and data.batch_size ({batch_size}) must be >= 1")
+    batch_shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    if batch_size % batch_shards:
+        raise DataError(f"data.batch_size={batch_size} is not divisible by the data x fsdp mesh axes "
+                        f"({batch_shards}); use a multiple of {batch_shards}")
+    try:
+        layouts.check(layout.name, seq_len, layout.num_shards, layout.stripe)
+    except layouts.LayoutError as e:
+        raise DataError(f"data.seq_len / attention.layout: {e}") from None
+
+
+def make_pipeline(config, mesh: Mesh) -> Pipeline:
+    """Builds the pipeline for ``config`` on ``mesh``; user mistakes raise DataError (one line)."""
+    return Pipeline(config, mesh)
+

@@ -1,0 +1,108 @@
+"""The tokenized corpus: every document's ids in one flat array plus document offsets, cached.
+
+Documents are encoded with the tokenizer's fast batch encoder and written to disk as they come
+(memory stays flat for any corpus size); the cache is read back memory-mapped, so a second run
+neither reads the source nor tokenizes again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from data import DataError
+
+_CHUNK = 256  # documents per encode_batch call: big enough for the thread pool, small in memory
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Corpus:
+    tokens: np.ndarray  # [total] uint16/uint32 ids of all documents, back to back (no EOS)
+    offsets: np.ndarray  # [num_docs + 1] int64: document i is tokens[offsets[i]:offsets[i+1]]
+
+    @property
+    def num_docs(self) -> int:
+        return self.offsets.size - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def doc(self, i: int) -> np.ndarray:
+        return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]])
+
+
+def _dtype(vocab: int):
+    return np.uint16 if vocab <= 1 << 16 else np.uint32
+
+
+def tokenize(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str, description: str) -> Corpus:
+    """Encodes ``docs`` into ``out_dir`` (tokens.bin, offsets.npy, meta.json) and loads it."""
+    dtype = _dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+    lengths = []
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tokens.bin"), "wb") as f:
+        chunk: list[str] = []
+
+        def flush():
+            for enc in tokenizer.encode_batch_fast(chunk, add_special_tokens=False):
+                ids = np.asarray(enc.ids, dtype=dtype)
+                f.write(ids.tobytes())
+                lengths.append(ids.size)
+            chunk.clear()
+
+        for doc in docs:
+            chunk.append(doc)
+            if len(chunk) == _CHUNK:
+                flush()
+        if chunk:
+            flush()
+    if not lengths:
+        raise DataError(f"no documents in {description}: the corpus is empty")
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    np.save(os.path.join(out_dir, "offsets.npy"), offsets)
+    with open(os.path.join(out_dir, "meta.json"), "w") as f:
+        json.dump({"dtype": np.dtype(dtype).name, "num_docs": len(lengths),
+                   "num_tokens": int(offsets[-1]), "source": description}, f)
+    return load(out_dir)
+
+
+def load(cache: str) -> Corpus:
+    with open(os.path.join(cache, "meta.json")) as f:
+        meta = json.load(f)
+    offsets = np.load(os.path.join(cache, "offsets.npy"))
+    if meta["num_tokens"] == 0:  # np.memmap refuses empty files
+        return Corpus(np.zeros(0, meta["dtype"]), offsets)
+    tokens = np.memmap(os.path.join(cache, "tokens.bin"), dtype=meta["dtype"], mode="r",
+                       shape=(meta["num_tokens"],))
+    return Corpus(tokens, offsets)
+
+
+def cached_corpus(cache_dir: str, key: str, tokenizer_fingerprint: str, tokenizer: Tokenizer,
+                  docs, description: str) -> tuple[Corpus, str]:
+    """The corpus cached for (source ``key``, tokenizer); ``docs()`` is only called on a miss."""
+    digest = hashlib.sha256(f"{VERSION}\0{tokenizer_fingerprint}\0{key}".encode()).hexdigest()
+    root = os.path.join(os.path.expanduser(cache_dir), "tokens")
+    path = os.path.join(root, f"{tokenizer_fingerprint}-{digest[:16]}")
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return load(path), path
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
+    try:
+        tokenize(docs(), tokenizer, tmp, description)
+        try:
+            os.rename(tmp, path)  # atomic: a crash or a concurrent writer never leaves half a cache
+        except OSError:
+            if not os.path.isfile(os.path.join(path, "meta.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load(path), path
