@@ -72,6 +72,7 @@ class Pipeline:
         self.layout = Layout(config.attention.layout, int(mesh.shape["sequence"]),
                              int(config.attention.stripe))
         _check_shapes(self.seq_len, self.batch_size, self.layout, mesh)
+        _check_data_fields(d)
         self.mesh = mesh
         self.sharding = batching.batch_sharding(mesh)
         self.global_shape = (self.batch_size, self.seq_len)
@@ -111,9 +112,9 @@ class Pipeline:
 
     # -- batches -------------------------------------------------------------------------
     def host_batch(self, first_row: int, heldout: bool = False, natural: bool = False) -> dict:
-        """This process's block of the batch whose first global row is ``first_row``, as numpy.
-
-        Layout order unless ``natural``; the full batch when there is one process."""
+        """This process's block of the batch whose first global row is ``first_row``, as numpy
+        (the whole batch when there is one process), in layout order; with ``natural``, this
+        process's rows with every column in natural order instead."""
         rows = self._heldout_rows if heldout else self._train_rows
         batch = rows.rows(first_row + self._rows.start, self._rows.stop - self._rows.start)
         if natural:
@@ -128,6 +129,10 @@ class Pipeline:
         """The same ``n`` batches every call, from held-out documents only (repeated when the
         held-out documents fill fewer than ``n`` batches)."""
         return [self.device_batch(i * self.batch_size, heldout=True) for i in range(n)]
+
+    def close(self) -> None:
+        """Stops the training iterator's prefetch thread."""
+        self.train.close()
 
     # -- facts for logs ------------------------------------------------------------------
     @property
@@ -157,6 +162,16 @@ def _check_shapes(seq_len: int, batch_size: int, layout: Layout, mesh: Mesh) -> 
         layouts.check(layout.name, seq_len, layout.num_shards, layout.stripe)
     except layouts.LayoutError as e:
         raise DataError(f"data.seq_len / attention.layout: {e}") from None
+
+
+def _check_data_fields(d) -> None:
+    """Checks that would otherwise only fail after minutes of reading and tokenizing."""
+    if int(d.max_docs) < 0:
+        raise DataError(f"data.max_docs={d.max_docs} must be >= 0 (0 reads every document)")
+    if not 0.0 <= float(d.heldout_fraction) < 1.0:
+        raise DataError(f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)")
+    if int(d.prefetch) < 0:
+        raise DataError(f"data.prefetch={d.prefetch} must be >= 0 (0 builds batches inline)")
 
 
 def make_pipeline(config, mesh: Mesh) -> Pipeline:

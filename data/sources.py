@@ -35,8 +35,11 @@ _BATCH = 512  # rows pulled from a datasets table at a time
 
 def one_line(exc: BaseException) -> str:
     """The innermost cause's message, first line only: datasets wraps errors in generic ones."""
-    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
-        exc = exc.__cause__ or exc.__context__
+    for _ in range(32):  # chains are short; the bound only guards against a cycle
+        inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        if inner is None:
+            break
+        exc = inner
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 

@@ -232,6 +232,8 @@ def test_jsonl_source_end_to_end(tmp_path):
 @pytest.mark.parametrize("change,message", [
     (dict(batch_size=5), "data.batch_size=5 is not divisible by the data x fsdp mesh axes (2)"),
     (dict(seq_len=90), "data.seq_len / attention.layout: seq_len 90 is not divisible"),
+    (dict(heldout_fraction=1.5), "data.heldout_fraction=1.5 must be in [0, 1)"),
+    (dict(max_docs=-3), "data.max_docs=-3 must be >= 0"),
 ])
 def test_shape_errors(cache_dir, change, message):
     with pytest.raises(DataError) as e:

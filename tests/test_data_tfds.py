@@ -1,0 +1,67 @@
+"""The optional TFDS source: read for real where requirements-tfds.txt is installed, and a
+one-line error naming that file where it is not (the default install)."""
+import bisect
+import csv
+import difflib
+import heapq
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from configs import base
+from data import DataError
+from data.sources import documents, make_source
+
+DOCS = [m.__doc__.strip() for m in (json, csv, difflib, heapq, bisect, np)]  # real prose
+HAVE_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
+
+
+def tfds_cfg(tmp_path, **kw):
+    d = base.get_config().data
+    d.update(source="tfds", path="stdlib_docstrings", data_dir=str(tmp_path / "tfds"),
+             cache_dir=str(tmp_path / "cache"))
+    d.update(kw)
+    return d
+
+
+def prepare_dataset(tmp_path):
+    """A real TFDS dataset, generated and prepared locally: docstrings, split train/test."""
+    import tensorflow_datasets as tfds
+
+    class StdlibDocstrings(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+                {"text": tfds.features.Text(), "id": np.int64}))
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples(DOCS[:5], 0),
+                    "test": self._generate_examples(DOCS[5:], 5)}
+
+        def _generate_examples(self, docs, first):
+            for i, doc in enumerate(docs):
+                yield first + i, {"text": doc, "id": first + i}
+
+    StdlibDocstrings(data_dir=str(tmp_path / "tfds")).download_and_prepare()
+
+
+def test_tfds_source(tmp_path):
+    if not HAVE_TFDS:
+        with pytest.raises(DataError) as e:
+            make_source(tfds_cfg(tmp_path))
+        assert str(e.value) == ("data.source='tfds' needs TensorFlow Datasets: "
+                                "pip install -r requirements-tfds.txt")
+        return
+    prepare_dataset(tmp_path)
+    train = list(documents(make_source(tfds_cfg(tmp_path))))
+    assert sorted(train) == sorted(DOCS[:5])  # TFDS stores examples in its own (fixed) order
+    assert list(documents(make_source(tfds_cfg(tmp_path)))) == train
+    assert sorted(documents(make_source(tfds_cfg(tmp_path, split="test")))) == sorted(DOCS[5:])
+    with pytest.raises(DataError, match=r"data.text_field 'body' is not a field of TFDS dataset "
+                                        r"'stdlib_docstrings' split 'train'; fields: "):
+        list(documents(make_source(tfds_cfg(tmp_path, text_field="body"))))
+    with pytest.raises(DataError, match="is not prepared under"):
+        make_source(tfds_cfg(tmp_path, data_dir=str(tmp_path / "elsewhere"))).signature()
