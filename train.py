@@ -9,7 +9,7 @@ import pathlib
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file", lock_config=True)
@@ -18,6 +18,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default runs/<na
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # keep the backend probing chatter out of the log
     from training.entry import main_with_errors  # after absl parsed flags: imports jax
     config = _CONFIG.value
     workdir = pathlib.Path(_WORKDIR.value or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")

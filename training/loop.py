@@ -72,7 +72,7 @@ def run(config, workdir: pathlib.Path) -> dict:
     tokens_per_step = config.data.batch_size * L
     flops_tok = flops_per_token(m, L)
     peak = peak_flops_total(override_tflops=t.peak_tflops)
-    log.write(f"model: {param_count(m) / 1e6:.1f}M params, {flops_tok / 1e9:.2f} GFLOP/token; "
+    log.write(f"model: {param_count(m) / 1e6:.1f}M params, {flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
               f"{config.attention.layout}; {tokens_per_step} tokens/step; workdir {workdir}")
 

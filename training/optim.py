@@ -7,10 +7,11 @@ from flax import nnx
 
 
 def schedule(t) -> optax.Schedule:
-    decay = max(t.steps - t.warmup_steps, 1)
+    # A smoke run shorter than the warmup just warms up; it is not an error.
+    warmup = min(t.warmup_steps, t.steps)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
-        decay_steps=t.warmup_steps + decay, end_value=t.lr * t.min_lr_ratio)
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+        decay_steps=warmup + max(t.steps - warmup, 1), end_value=t.lr * t.min_lr_ratio)
 
 
 def decay_mask(abstract_params):

@@ -84,7 +84,7 @@ class Trainer:
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss)
         bad_step = jnp.where((state.bad_step < 0) & ~finite, state.step, state.bad_step)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count,
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count,
                    "bad_step": bad_step}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           bad_step=bad_step), metrics

@@ -73,8 +73,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
 
     _need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _need(t.lr > 0, f"train.lr={t.lr} must be > 0")
-    _need(0 <= t.warmup_steps <= t.steps,
-          f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps}]")
+    _need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     _need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _need(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
     _need(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every and train.eval_batches must be >= 0")

@@ -1,0 +1,38 @@
+"""Parameter counts of the paper's model sizes, from abstract shapes (nothing allocated)."""
+import importlib
+
+import jax
+import pytest
+from flax import nnx
+
+from model.decoder import Decoder
+from model.flops import param_count
+from model.layers import AttentionBackend
+
+
+def closed_form(layers, d, ffn, heads, kv_heads, vocab):
+    hd = d // heads
+    per_layer = d * hd * heads * 2 + d * hd * kv_heads * 2 + 3 * d * ffn + 2 * d
+    return layers * per_layer + 2 * vocab * d + d
+
+
+@pytest.mark.parametrize("name,dims,expected", [
+    ("llama_1b", (22, 2048, 5504, 16, 16, 32000), 1_244_227_584),
+    ("llama_3b", (26, 3200, 8640, 32, 32, 32000), 3_426_473_600),
+    ("llama_7b", (32, 4096, 11008, 32, 32, 32000), 6_738_415_616),
+])
+def test_param_count_matches_closed_form(name, dims, expected):
+    config = importlib.import_module(f"configs.{name}").get_config()
+    m = config.model
+    assert (m.num_layers, m.d_model, m.ffn_dim, m.num_heads, m.num_kv_heads, m.vocab_size) == dims
+    abstract = nnx.eval_shape(lambda: Decoder(m, AttentionBackend(), nnx.Rngs(0)))
+    counted = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert counted == closed_form(*dims) == param_count(m) == expected
+
+
+def test_gqa_shrinks_only_kv_projections():
+    config = importlib.import_module("configs.llama_1b").get_config()
+    m = config.model
+    full = param_count(m)
+    m.num_kv_heads = 4
+    assert full - param_count(m) == m.num_layers * 2 * m.d_model * 128 * (16 - 4)

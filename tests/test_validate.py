@@ -1,0 +1,68 @@
+"""Every bad config value stops with one line naming the field and what would be valid."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import tiny
+from training.validate import ConfigError, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cfg(**overrides):
+    c = tiny.get_config()
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        c[section][field] = value
+    return c
+
+
+def test_tiny_config_is_valid_on_8_devices():
+    assert validate(tiny.get_config(), 8) == {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+
+
+@pytest.mark.parametrize("overrides,devices,message", [
+    ({"attention__layout": "spiral"}, 8, "attention.layout='spiral' is not one of contiguous, striped, zigzag"),
+    ({"attention__impl": "flash"}, 8, "attention.impl='flash' is not one of ring, dense"),
+    ({"data__seq_len": 510}, 8, "data.seq_len: seq_len 510 is not divisible by shards x stripe width (4 x 1 = 4)"),
+    ({"data__seq_len": 516, "attention__layout": "zigzag"}, 8, "not divisible by 2 x shards (2 x 4 = 8) for the zigzag layout"),
+    ({"attention__block_q": 48}, 8, "attention.block_q=48 must divide the per-device chunk seq_len/sequence = 512/4 = 128"),
+    ({"mesh__fsdp": 4}, 8, "mesh 1x4x4x1 (data x fsdp x sequence x tensor) has 16 devices but 8 are available"),
+    ({"mesh__fsdp": -1, "mesh__data": -1}, 8, "only one mesh axis may be -1"),
+    ({"mesh__fsdp": -1, "mesh__sequence": 3}, 8, "mesh.fsdp=-1 cannot fill 8 devices"),
+    ({"mesh__tensor": 2, "mesh__fsdp": 1, "model__num_kv_heads": 1}, 8, "model.num_kv_heads=1 is not divisible by mesh.tensor=2"),
+    ({"mesh__tensor": 8, "mesh__fsdp": 1, "mesh__sequence": 1}, 8, "model.num_heads=4 is not divisible by mesh.tensor=8"),
+    ({"model__num_kv_heads": 3}, 8, "model.num_kv_heads=3 must divide model.num_heads=4"),
+    ({"train__steps": -5}, 8, "train.steps=-5 must be >= 1"),
+    ({"train__lr": 0.0}, 8, "train.lr=0.0 must be > 0"),
+    ({"train__warmup_steps": -1}, 8, "train.warmup_steps=-1 must be >= 0"),
+    ({"data__batch_size": 3}, 8, "data.batch_size=3 must be a positive multiple of mesh data x fsdp = 2"),
+    ({"data__source": "s3"}, 8, "data.source='s3' is not one of stdlib, text, jsonl, parquet, hf, tfds"),
+    ({"model__dtype": "float16"}, 8, "model.dtype='float16' is not one of float32, bfloat16, auto"),
+    ({"model__remat": "some"}, 8, "model.remat='some' is not one of none, attention, full, offload"),
+    ({"wandb__mode": "cloud"}, 8, "wandb.mode='cloud' is not one of disabled, offline, online"),
+    ({}, 1, "has 8 devices but 1 are available"),
+])
+def test_bad_value_gives_one_clear_line(overrides, devices, message):
+    with pytest.raises(ConfigError) as e:
+        validate(cfg(**overrides), devices)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--config.attention.layout=spiral", "error: attention.layout='spiral' is not one of"),
+    ("--config.train.steps=-1", "error: train.steps=-1 must be >= 1"),
+])
+def test_cli_prints_one_line_and_no_traceback(tmp_path, flag, message):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.py",
+                           "--workdir", str(tmp_path / "run"), flag],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
