@@ -1,0 +1,33 @@
+"""End to end: train.py on the tiny config, as a user runs it, in a temp run directory."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(workdir, *overrides, devices=8):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
+           "--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
+           "--config.data.max_docs=120", "--config.model.vocab_size=512",
+           f"--config.data.cache_dir={workdir.parent / 'cache'}", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_two_step_run_writes_metrics_config_and_checkpoint(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_train(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert {"step", "loss", "tokens_per_s", "mfu"} <= r.keys()
+        assert 0 < r["loss"] < 20 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["attention"]["layout"] == "striped" and config["model"]["vocab_size"] == 512
+    assert len((workdir / "tokenizer_fingerprint.txt").read_text().strip()) >= 16
+    assert (workdir / "checkpoints" / "2").is_dir()
+    assert str(workdir / "checkpoints" / "2") in proc.stdout
