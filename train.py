@@ -14,6 +14,9 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default runs/<name>-<time>)")
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "multi-process: HOST:PORT of process 0")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "multi-process: process count")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "multi-process: this process's index")
 
 
 def main(argv):
@@ -21,8 +24,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep the backend probing chatter out of the log
     from training.entry import main_with_errors  # after absl parsed flags: imports jax
     config = _CONFIG.value
+    # Processes of one run must agree on the directory: name it, or let process 0's clock do.
     workdir = pathlib.Path(_WORKDIR.value or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    sys.exit(main_with_errors(config, workdir))
+    sys.exit(main_with_errors(config, workdir, _COORDINATOR.value, _NUM_PROCESSES.value,
+                              _PROCESS_ID.value))
 
 
 if __name__ == "__main__":

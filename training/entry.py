@@ -5,19 +5,21 @@ import sys
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
+    from data import DataError
     from parallel.layouts import LayoutError
     from parallel.mesh import MeshError
     from training.validate import ConfigError
-    errors = [ConfigError, LayoutError, MeshError]
+    return ConfigError, LayoutError, MeshError, DataError
+
+
+def main_with_errors(config, workdir, coordinator=None, num_processes=None,
+                     process_id=None) -> int:
+    from parallel.distributed import initialize
     try:
-        from data import DataError
-        errors.append(DataError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-def main_with_errors(config, workdir) -> int:
+        initialize(coordinator, num_processes, process_id)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from training.loop import Diverged, run
     try:
         run(config, workdir)

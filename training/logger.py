@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import time
 
 import jax
 
@@ -11,13 +12,15 @@ import jax
 class MetricsLogger:
     def __init__(self, workdir: pathlib.Path, config, start_step: int):
         self.main = jax.process_index() == 0
-        self.workdir = workdir
+        self.workdir, self.first_step = workdir, start_step
         self.bar = self.run = None
         if not self.main:
             return
-        from tqdm import tqdm
-        self.bar = tqdm(total=config.train.steps, initial=start_step, unit="step",
-                        dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
+        self.total, self.started = config.train.steps, time.perf_counter()
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total, initial=start_step, unit="step",
+                            dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
         if config.wandb.mode != "disabled":
             import wandb
             self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity or None,
@@ -33,8 +36,16 @@ class MetricsLogger:
         if not self.main:
             return
         self._append("metrics.jsonl", record)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                             mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+        else:  # a log file or a launcher's pipe: one plain line per logged step
+            elapsed = time.perf_counter() - self.started
+            step = record["step"]
+            eta = elapsed / max(step - self.first_step, 1) * (self.total - step)
+            self.write(f"step {step}/{self.total} loss {record['loss']:.4f} "
+                       f"tokens/s {record['tokens_per_s']:.0f} mfu {100 * record['mfu']:.1f}% "
+                       f"eta {eta:.0f}s")
         if self.run is not None:
             self.run.log({f"train/{k}": v for k, v in record.items() if k != "step"},
                          step=record["step"])
@@ -48,6 +59,12 @@ class MetricsLogger:
         if self.run is not None:
             self.run.log({f"eval/{k}": v for k, v in record.items() if k != "step"},
                          step=record["step"])
+
+    def set_start(self, step: int):
+        """A resumed run starts counting (progress, ETA) from its restored step."""
+        self.first_step = step
+        if self.bar is not None:
+            self.bar.n = step
 
     def advance(self, n: int = 1):
         if self.bar is not None:

@@ -66,8 +66,7 @@ def run(config, workdir: pathlib.Path) -> dict:
     else:
         start = 0
         state = trainer.init(t.seed)
-    if log.bar is not None:
-        log.bar.n = start
+    log.set_start(start)
     m, L = config.model, config.data.seq_len
     tokens_per_step = config.data.batch_size * L
     flops_tok = flops_per_token(m, L)
