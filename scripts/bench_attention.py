@@ -1,0 +1,183 @@
+"""Benchmark fwd+bwd of context-parallel attention per token layout.
+
+One process per CPU core (the honest comparison on a CPU: a ring round then waits for the
+busiest device, as on a GPU ring):
+
+    python scripts/bench_attention.py --processes 2 --seq-len 16384
+
+spawns 2 copies of itself, each pinned to one core (``taskset -c i``) with one XLA thread,
+joined by ``jax.distributed`` with gloo CPU collectives, over a mesh with axis "sequence".
+Simulated devices in one process (measures total work, not the critical path):
+
+    python scripts/bench_attention.py --processes 1 --devices 8 --seq-len 4096
+
+On a GPU host, ``--processes 1`` uses every local accelerator (or the first ``--devices``).
+Times are medians of ``--repeats`` after a warm-up call (compile excluded), with the layouts
+interleaved inside each repeat so that machine noise hits them alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# XLA CPU has no intra-op thread-count flag; Eigen's pool is turned off here and the pool of
+# XLA's own runtime sizes itself from the CPU affinity, which taskset sets to one core.
+ONE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--processes", type=int, default=2, help="one process per CPU core (gloo)")
+    p.add_argument("--devices", type=int, default=0,
+                   help="with --processes 1: simulated CPU devices (or first N accelerators); 0 = all")
+    p.add_argument("--layouts", default="contiguous,striped,zigzag")
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=256, help="block_q = block_kv tile size")
+    p.add_argument("--stripe", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--mode", default="fwd+bwd", choices=("fwd+bwd", "fwd"))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--json", default="", help="write {'rows': [...]} here")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (0: pick a free one)")
+    p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, argv):
+    """Parent of a multi-process run: spawns pinned workers, relays worker 0's output."""
+    port = args.port or _free_port()
+    cores = os.sched_getaffinity(0)
+    if len(cores) < args.processes:
+        print(f"warning: {args.processes} processes on {len(cores)} cores; timings will overlap",
+              file=sys.stderr)
+    cores = sorted(cores)
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + ONE_THREAD_FLAGS).strip(),
+               JAX_PLATFORMS="cpu")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    procs = []
+    for i in range(args.processes):
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", str(i), "--port", str(port)]
+        if shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=None if i == 0 else subprocess.DEVNULL))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        sys.exit(f"worker exit codes {codes}")
+
+
+def run(args):
+    if args.worker < 0 and args.processes == 1 and args.devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from parallel.attention import context_parallel_attention
+
+    if args.worker >= 0:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
+                                   process_id=args.worker)
+        devices = jax.devices()
+    else:
+        devices = jax.devices()[: args.devices or None]
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    dtype = jnp.dtype(args.dtype)
+    layouts = [x for x in args.layouts.split(",") if x]
+    b, length = args.batch, args.seq_len
+    shapes = {"q": (b, length, args.heads, args.head_dim), "k": (b, length, args.kv_heads, args.head_dim)}
+    sharding = NamedSharding(mesh, P(None, "sequence"))
+
+    def make(shape, seed):
+        # Each process fills only its own shards (deterministic per index, so no host transfer).
+        def block(index):
+            rng = np.random.default_rng([seed, index[1].start or 0])
+            shp = tuple(len(range(*s.indices(d))) for s, d in zip(index, shape))
+            return rng.standard_normal(shp, dtype=np.float32).astype(dtype)
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    q, k, v, dout = make(shapes["q"], 0), make(shapes["k"], 1), make(shapes["k"], 2), make(shapes["q"], 3)
+
+    def step_fn(layout):
+        def loss(q, k, v, dout):
+            out = context_parallel_attention(q, k, v, mesh=mesh, layout=layout, stripe=args.stripe,
+                                             block_q=args.block, block_kv=args.block)
+            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+        return jax.jit(loss if args.mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2)))
+
+    # A tiny collective before each timed call lines the processes up, so a call's time is
+    # not inflated by another process still finishing its previous call.
+    sync = jax.jit(lambda x: jnp.sum(x), out_shardings=NamedSharding(mesh, P()))
+    token = make((1, n), 4)
+    fns = {layout: step_fn(layout) for layout in layouts}
+    t0 = time.perf_counter()
+    for layout in layouts:
+        for _ in range(max(args.warmup, 1)):
+            jax.block_until_ready(fns[layout](q, k, v, dout))
+    warm_s = time.perf_counter() - t0
+    times = {layout: [] for layout in layouts}
+    for _ in range(args.repeats):
+        for layout in layouts:
+            jax.block_until_ready(sync(token))
+            t = time.perf_counter()
+            jax.block_until_ready(fns[layout](q, k, v, dout))
+            times[layout].append(time.perf_counter() - t)
+
+    if args.worker > 0:
+        return
+    med = {layout: float(np.median(ts)) for layout, ts in times.items()}
+    base = med.get("contiguous")
+    rows = [{"layout": layout, "processes": max(args.processes, 1), "devices": n, "seq_len": length,
+             "median_s": med[layout], "min_s": float(np.min(times[layout])),
+             "speedup_vs_contiguous": (base / med[layout]) if base else None} for layout in layouts]
+    platform = devices[0].platform
+    print(f"\n{args.mode} of context_parallel_attention: {platform} x {n} devices in "
+          f"{max(args.processes, 1)} process(es), batch {b}, seq_len {length}, heads {args.heads}/"
+          f"{args.kv_heads}, head_dim {args.head_dim}, tile {args.block}, {args.dtype}; "
+          f"median of {args.repeats} (warm-up + compile {warm_s:.1f} s excluded)\n")
+    print("| layout | devices | seq_len | median s | min s | speedup vs contiguous |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        sp = f"{r['speedup_vs_contiguous']:.2f}x" if r["speedup_vs_contiguous"] else "-"
+        print(f"| {r['layout']} | {n} | {length} | {r['median_s']:.3f} | {r['min_s']:.3f} | {sp} |")
+    sys.stdout.flush()
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "args": vars(args)}, f, indent=2)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.processes > 1 and args.worker < 0:
+        launch(args, argv)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
