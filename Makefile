@@ -14,7 +14,7 @@ $(STAMP): requirements.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python train.py --config configs/tiny.py --workdir runs/demo
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python train.py --config configs/tiny.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -16,7 +16,7 @@ def get_config():
     c.attention.update(block_q=64, block_kv=64)
     c.mesh.update(data=1, fsdp=2, sequence=4, tensor=1)
     c.data.update(seq_len=512, batch_size=8, max_docs=0)
-    c.train.update(steps=300, lr=3e-3, warmup_steps=30, log_every=20, eval_every=100,
+    c.train.update(steps=240, lr=3e-3, warmup_steps=24, log_every=20, eval_every=80,
                    eval_batches=4)
-    c.checkpoint.update(every=100, keep=2)
+    c.checkpoint.update(every=80, keep=2)
     return c

@@ -1,0 +1,192 @@
+"""Ring (contiguous) vs striped vs zigzag on real training steps: the paper's experiment.
+
+    python scripts/compare_layouts.py --config configs/tiny.py --layouts contiguous,striped,zigzag \
+        --seq-lens 8192,16384,32768 --processes 2 --steps 20 --out runs/compare
+
+Same model, same initial weights, same data (the pipeline permutes the same rows per layout);
+compile and warm-up steps excluded; layouts interleaved in rounds so machine drift hits all
+alike. Writes OUT/results.json, OUT/results.md and OUT/throughput.png.
+--processes P runs one process per CPU core over gloo (a round waits for the busiest device, as
+on a GPU ring); --processes 1 --devices N simulates N devices in one process (total-work view);
+on a GPU/TPU host use --processes 1 and the real devices.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/tiny.py")
+    p.add_argument("--layouts", default="contiguous,striped,zigzag")
+    p.add_argument("--seq-lens", default="8192,16384")
+    p.add_argument("--processes", type=int, default=2, help="one process per CPU core (gloo)")
+    p.add_argument("--devices", type=int, default=0,
+                   help="simulated devices with --processes 1 (0: all visible devices)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per layout")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (compile)")
+    p.add_argument("--batch", type=int, default=1, help="rows per step")
+    p.add_argument("--block", type=int, default=0,
+                   help="attention tile length (0: chunk/16, at least 64 and dividing the chunk)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="config override, e.g. --set model.num_layers=4 (repeatable)")
+    p.add_argument("--out", default="runs/compare")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", help=argparse.SUPPRESS)
+    p.add_argument("--num_processes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--process_id", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def load_config(path: str, overrides: list[str]):
+    spec = importlib.util.spec_from_file_location("compared_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for item in overrides:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "True"
+    return config
+
+
+def tile(chunk: int, block: int) -> int:
+    if block:
+        return block
+    target = max(64, chunk // 16)  # 16 tiles per block keeps the tile-grid cap near the ideal
+    return max(d for d in range(1, min(target, chunk) + 1) if chunk % d == 0)
+
+
+def layout_config(base, layout: str, seq_len: int, devices: int, args):
+    c = base.copy_and_resolve_references()
+    c.attention.update(impl="ring", layout=layout)
+    c.attention.block_q = c.attention.block_kv = tile(seq_len // devices, args.block)
+    c.mesh.update(data=1, fsdp=1, sequence=devices, tensor=1)
+    c.data.update(seq_len=seq_len, batch_size=args.batch, heldout_fraction=0.01)
+    c.train.update(steps=args.warmup + args.steps, warmup_steps=0)
+    return c
+
+
+def measure(args) -> list[dict]:
+    """Runs in every process; returns rows (process 0's timings)."""
+    import jax
+    import numpy as np
+
+    from data.pipeline import make_pipeline
+    from model.flops import attention_flops_per_token, flops_per_token
+    from parallel.mesh import make_mesh
+    from training.state import Trainer
+    from training.validate import validate
+
+    base = load_config(args.config, args.set)
+    devices = jax.device_count()
+    layouts = [x for x in args.layouts.split(",") if x]
+    rows = []
+    for seq_len in [int(x) for x in args.seq_lens.split(",") if x]:
+        runs = {}
+        for layout in layouts:
+            c = layout_config(base, layout, seq_len, devices, args)
+            validate(c, devices)
+            mesh = make_mesh(c.mesh)
+            pipe, trainer = make_pipeline(c, mesh), Trainer(c, mesh)
+            runs[layout] = {"pipe": pipe, "trainer": trainer, "state": trainer.init(c.train.seed),
+                            "times": [], "losses": []}
+        for r in range(args.warmup + args.steps):
+            order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
+            for layout in order:
+                run = runs[layout]
+                batch = next(run["pipe"].train)
+                t0 = time.perf_counter()
+                run["state"], metrics = run["trainer"].train_step(run["state"], batch)
+                loss = float(jax.device_get(metrics["loss"]))
+                if r >= args.warmup:
+                    run["times"].append(time.perf_counter() - t0)
+                run["losses"].append(loss)
+        m = base.model
+        share = attention_flops_per_token(m, seq_len) / flops_per_token(m, seq_len)
+        ref = statistics.median(runs[layouts[0]]["times"]) if "contiguous" not in runs else \
+            statistics.median(runs["contiguous"]["times"])
+        for layout in layouts:
+            run = runs[layout]
+            run["pipe"].close()
+            med = statistics.median(run["times"])
+            rows.append({"layout": layout, "seq_len": seq_len, "processes": jax.process_count(),
+                         "devices": devices, "block": layout_config(base, layout, seq_len, devices, args).attention.block_q,
+                         "median_step_s": med, "tokens_per_s": args.batch * seq_len / med,
+                         "speedup_vs_contiguous": ref / med, "attention_flop_share": share,
+                         "final_loss": run["losses"][-1], "losses": run["losses"]})
+        losses = np.array([runs[l]["losses"][-1] for l in layouts])
+        if jax.process_index() == 0:
+            print(f"seq_len {seq_len}: medians " + ", ".join(
+                f"{r['layout']} {r['median_step_s']:.3f}s" for r in rows[-len(layouts):])
+                + f"; final losses agree to {np.ptp(losses) / np.abs(losses).max():.1e} (relative)",
+                flush=True)
+    return rows
+
+
+def write_report(rows: list[dict], out: pathlib.Path, devices: int):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    lines = ["| seq_len | layout | median step (s) | tokens/s | speedup vs contiguous | "
+             "attention FLOP share | final loss |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seq_len']} | {r['layout']} | {r['median_step_s']:.3f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['speedup_vs_contiguous']:.2f}x | "
+                     f"{100 * r['attention_flop_share']:.0f}% | {r['final_loss']:.4f} |")
+    ideal = 2 * devices / (devices + 1)
+    lines.append(f"\n{rows[0]['processes']} process(es), {devices} devices in the ring; "
+                 f"ideal causal speedup 2N/(N+1) = {ideal:.2f}x.")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    seq_lens = sorted({r["seq_len"] for r in rows})
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        pts = sorted((r["seq_len"], r["speedup_vs_contiguous"]) for r in rows if r["layout"] == layout)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=layout)
+    ax.axhline(ideal, linestyle="--", color="gray", label=f"ideal 2N/(N+1) = {ideal:.2f}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("training throughput vs contiguous")
+    ax.set_title(f"Ring attention layouts, {devices} devices")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.processes > 1 and not args.worker:
+        from parallel.distributed import spawn_local
+        argv = [os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]), "--worker"]
+        sys.exit(spawn_local(argv, args.processes, quiet_followers=True))
+    if args.processes == 1 and args.devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
+    from parallel.distributed import initialize
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
+    rows = measure(args)
+    if jax.process_index() == 0:
+        print(write_report(rows, pathlib.Path(args.out), jax.device_count()))
+        print(f"wrote {args.out}/results.json, results.md, throughput.png")
+
+
+if __name__ == "__main__":
+    main()
