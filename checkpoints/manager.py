@@ -1,44 +1,266 @@
-"""A thin wrapper over ``ocp.CheckpointManager``: train state + data iterator state per step."""
+"""An ``ocp.CheckpointManager`` wrapper: train state, data iterator state and run metadata per step.
+
+A step directory holds three items written together, asynchronously:
+  state  the TrainState (params, optimizer state, step counter, bad_step), StandardSave
+  data   the data iterator's position and identity, JSON
+  meta   the run's config and tokenizer fingerprint, JSON, so that a restore can refuse a model
+         or tokenizer that does not match before reading any array
+There is no RNG key to save: the model has no stochastic layers, parameters come from
+``train.seed`` once, and the data order is a function of ``data.shuffle_seed`` and the data
+state, so the step counter is the only thing randomness could depend on, and it is saved.
+
+Only complete checkpoints count. Orbax 0.12.8 writes each step into ``<step>.orbax-checkpoint-tmp-*``
+and renames it after writing ``commit_success.txt`` into it, so a process killed mid-save leaves
+a tmp directory, never a step directory; those are reported and removed. A step directory that
+lacks the commit marker or fails to restore (copied half-way, truncated files) is reported and
+skipped, and the next older one is tried.
+"""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import re
+import sys
+import time
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
+from checkpoints.compat import CheckpointError, check_param_shapes
+
+COMMIT_MARKER = "commit_success.txt"
+TMP_MARKER = ".orbax-checkpoint-tmp"
+SKIPPED_DIR = "skipped"  # broken step directories are moved here, not deleted: they may be evidence
+_STEP_NAME = re.compile(r"^(0|[1-9]\d*)$")
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    path: pathlib.Path
+    meta: dict
+    state: Any = None  # the full TrainState (restore) or None (restore_params)
+    params: Any = None
+    data: dict | None = None
+
+
+def _quiet_orphaned_reads():
+    """After a failed read, tensorstore still completes the reads orbax had started, and their
+    callbacks find orbax's event loop closed; Python would print each as a traceback, even
+    before the failure reaches us. They are noise next to the one-line report of the skipped
+    checkpoint, so exactly that error is dropped."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._drops_closed_loop = True
+    sys.unraisablehook = hook
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
 
 class Checkpoints:
-    def __init__(self, directory: str | pathlib.Path, ckpt_cfg):
+    def __init__(self, directory: str | pathlib.Path, ckpt_cfg=None, *,
+                 log: Callable[[str], None] = print):
+        """``ckpt_cfg`` is ``config.checkpoint`` (keep, keep_every, async_save) for the run that
+        writes here; without it the checkpoints are read-only (generate, eval, another run's
+        checkpoints) and nothing on disk changes."""
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=ckpt_cfg.keep,
-            keep_period=ckpt_cfg.keep_every or None,
-            enable_async_checkpointing=ckpt_cfg.async_save,
-            create=True,
-        )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.read_only, self.log = ckpt_cfg is None, log
+        if self.read_only and not self.directory.is_dir():
+            raise CheckpointError(f"no checkpoint directory at {self.directory}")
+        self._report_interrupted_writes()
+        if self.read_only:
+            # Not orbax's read_only mode, which warns about every option it overrides: this
+            # manager simply never saves, deletes or cleans up.
+            options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=ckpt_cfg.keep, keep_period=ckpt_cfg.keep_every or None,
+                enable_async_checkpointing=bool(ckpt_cfg.async_save), create=True,
+                cleanup_tmp_directories=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler()})
+
+    # -- what is on disk -------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
-        """Starts a (possibly asynchronous) save; returns whether one was started."""
-        return self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
-
-    def restore(self, abstract_state, step: int | None = None):
-        """(state, data_state) at ``step`` (newest when None), placed on ``abstract_state``'s
-        shardings: a checkpoint written on another mesh restores onto this one."""
-        step = self.latest_step() if step is None else step
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return out["state"], out["data"]
-
     def path(self, step: int) -> pathlib.Path:
         return self.directory / str(step)
+
+    def _report_interrupted_writes(self):
+        if not self.directory.is_dir():
+            return
+        for p in sorted(self.directory.iterdir()):
+            if TMP_MARKER in p.name:
+                step = p.name.split(".", 1)[0]
+                action = "ignoring it" if self.read_only else "removing it"
+                self.log(f"checkpoint: skipping step {step}: {p} is a save that never finished "
+                         f"(the writer was stopped mid-save); {action}")
+
+    def _incomplete(self, step: int) -> str | None:
+        """Why the step directory cannot be a finished checkpoint, or None when it looks whole."""
+        path = self.path(step)
+        if not (path / COMMIT_MARKER).is_file():
+            return f"it has no {COMMIT_MARKER} (the write never committed)"
+        # meta is optional: checkpoints from before it existed still restore, unchecked.
+        missing = [item for item in ("state", "data") if not (path / item).is_dir()]
+        if missing:
+            return f"it lacks the {', '.join(missing)} item(s)"
+        return None
+
+    # -- save --------------------------------------------------------------------------------
+    def save(self, step: int, state, data_state: dict, meta: dict, force: bool = False) -> bool:
+        assert not self.read_only, "a read-only Checkpoints never saves"
+        """Starts a save (asynchronous when configured); returns whether one was started.
+
+        The call returns once the arrays are copied off the device, so the caller may donate
+        ``state`` to the next step; the write to disk continues in the background."""
+        if step in self.manager.all_steps():
+            return False
+        return self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+            meta=ocp.args.JsonSave({**meta, "step": int(step)})), force=force)
 
     def wait(self):
         self.manager.wait_until_finished()
 
     def close(self):
         self.manager.close()
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore(self, abstract_state, *, step: int | None = None,
+                check: Callable[[dict, int, pathlib.Path], None] | None = None) -> Restored | None:
+        """The newest complete checkpoint (or exactly ``step``), placed on ``abstract_state``'s
+        shardings: one written on another mesh or layout restores onto this one. None when
+        there is no checkpoint at all. ``check(meta, step, path)`` raises CheckpointError when
+        the checkpoint does not fit this run."""
+
+        def load(s: int) -> Restored:
+            out = self.manager.restore(s, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            return Restored(step=s, path=self.path(s), meta={}, state=out["state"],
+                            params=out["state"].params, data=out["data"])
+
+        return self._newest(load, abstract_state.params, step, check)
+
+    def restore_params(self, abstract_params, *, step: int | None = None,
+                       check: Callable[[dict, int, pathlib.Path], None] | None = None
+                       ) -> Restored | None:
+        """Only the parameters of the newest complete checkpoint (or exactly ``step``), on
+        ``abstract_params``' shardings; the optimizer state is never read."""
+
+        def load(s: int) -> Restored:
+            target = {"params": abstract_params}
+            with ocp.PyTreeCheckpointer() as ckptr:
+                out = ckptr.restore(self.path(s) / "state", args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True))
+            return Restored(step=s, path=self.path(s), meta={}, params=out["params"])
+
+        return self._newest(load, abstract_params, step, check)
+
+    def _meta(self, step: int) -> tuple[dict, Any]:
+        """(run metadata, stored tree metadata of the state item) of one step."""
+        meta = {}
+        if (self.path(step) / "meta").is_dir():
+            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = dict(out["meta"] or {})
+        tree = ocp.StandardCheckpointHandler().metadata(self.path(step) / "state").tree
+        return meta, tree
+
+    def _newest(self, load, abstract_params, only: int | None, check) -> Restored | None:
+        steps = self.steps()
+        if only is not None:
+            if only not in steps:
+                raise CheckpointError(f"no checkpoint for step {only} in {self.directory} "
+                                      f"(steps there: {steps or 'none'})")
+            steps = [only]
+        if not steps:
+            return None
+        skipped: list[tuple[int, str]] = []
+        _quiet_orphaned_reads()
+        for s in reversed(steps):
+            reason = self._incomplete(s)
+            if reason is None:
+                try:
+                    meta, tree = self._meta(s)
+                except Exception as e:  # unreadable metadata: a damaged directory
+                    reason = f"its metadata cannot be read ({_first_line(e)})"
+            if reason is None:
+                # A mismatch with this run's config is the user's to fix, not damage to skip.
+                if check is not None:
+                    check(meta, s, self.path(s))
+                stored = tree.get("params") if isinstance(tree, dict) else None
+                if stored is not None:
+                    check_param_shapes(stored, abstract_params, self.path(s))
+                try:
+                    restored = load(s)
+                except Exception as e:
+                    reason = f"it cannot be read ({_first_line(e)})"
+            if reason is not None:
+                skipped.append((s, reason))
+                self.log(f"checkpoint: skipping step {s} ({self.path(s)}): {reason}")
+                continue
+            restored.meta = meta
+            self._set_aside([s for s, _ in skipped])
+            return restored
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} could be restored: "
+            + "; ".join(f"step {s}: {r}" for s, r in skipped)
+            + " (move the directory aside to start fresh)")
+
+    def _set_aside(self, steps: list[int]):
+        """Moves broken step directories newer than the one restored out of the way, so that
+        this run can save those step numbers again and retention never counts them. Only
+        once an older checkpoint restored: if every one fails, the cause may be here, not on
+        disk, and nothing is moved."""
+        if self.read_only or not steps:
+            return
+        if jax.process_index() == 0:
+            aside = self.directory / SKIPPED_DIR
+            aside.mkdir(exist_ok=True)
+            for s in steps:
+                dest = aside / f"{s}-{time.strftime('%Y%m%d-%H%M%S')}"
+                self.path(s).rename(dest)
+                self.log(f"checkpoint: moved the skipped step {s} to {dest}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("checkpoints: set aside skipped steps")
+        self.manager.reload()
+
+
+def is_step_dir(path: pathlib.Path) -> bool:
+    return bool(_STEP_NAME.match(path.name)) and (path / "state").is_dir()
+
+
+def locate(path: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
+    """(checkpoint directory, step or None for its newest) for a user-given path: a run
+    directory, its ``checkpoints`` directory, or one step directory in it."""
+    p = pathlib.Path(path).expanduser().absolute()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint.restore_from: no such path {p}")
+    if is_step_dir(p):
+        return p.parent, int(p.name)
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if not any(_STEP_NAME.match(c.name) for c in p.iterdir() if c.is_dir()):
+        raise CheckpointError(f"checkpoint.restore_from: no checkpoints in {p} (give a run "
+                              f"directory, its checkpoints/ directory, or one step directory)")
+    return p, None

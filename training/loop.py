@@ -1,4 +1,4 @@
-"""The training run: build everything from the config, restore or init, step, log, save."""
+"""The training run: build everything from the config, restore or init, step, log, save, stop."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,10 @@ import pathlib
 import time
 
 import jax
-import numpy as np
 
 from checkpoints.manager import Checkpoints
+from checkpoints.preemption import StopOnSignal, should_stop
+from checkpoints.resume import run_meta, start_state
 from model.flops import flops_per_token, param_count
 from parallel.mesh import make_mesh
 from training.logger import MetricsLogger
@@ -23,18 +24,39 @@ class Diverged(RuntimeError):
     """The loss became NaN or inf."""
 
 
-def prepare_workdir(workdir: pathlib.Path, config, fingerprint: str):
-    """Writes the resolved config and the tokenizer fingerprint; refuses a different tokenizer."""
-    workdir.mkdir(parents=True, exist_ok=True)
+def check_workdir(workdir: pathlib.Path, fingerprint: str):
+    """Refuses a run directory trained with another tokenizer, before anything is written."""
     fp_file = workdir / "tokenizer_fingerprint.txt"
     if fp_file.exists() and fp_file.read_text().strip() != fingerprint:
         raise ConfigError(
             f"{workdir} was trained with tokenizer {fp_file.read_text().strip()[:16]}..., but this "
             f"config gives {fingerprint[:16]}...; use the same data.tokenizer / data.source / "
             f"model.vocab_size, or a new --workdir")
+
+
+def write_run_files(workdir: pathlib.Path, config, tokenizer, fingerprint: str):
+    """The resolved config, the tokenizer and its fingerprint beside the checkpoints: enough for
+    scripts/generate.py and scripts/eval.py to use the run without the data cache."""
     if jax.process_index() == 0:
-        fp_file.write_text(fingerprint + "\n")
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "tokenizer_fingerprint.txt").write_text(fingerprint + "\n")
+        (workdir / "tokenizer.json").write_text(tokenizer.to_str())
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+
+
+def forget_after(workdir: pathlib.Path, step: int):
+    """Drops logged records past ``step``: a run killed after its last checkpoint logged steps
+    that the resumed run computes again, and the curve must read as if it never stopped."""
+    if jax.process_index() != 0:
+        return
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = workdir / name
+        if not path.exists():
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            path.write_text("".join(kept))
 
 
 def evaluate(trainer: Trainer, params, batches) -> dict:
@@ -46,27 +68,42 @@ def evaluate(trainer: Trainer, params, batches) -> dict:
 
 
 def run(config, workdir: pathlib.Path) -> dict:
-    """Trains ``config`` in ``workdir``; returns a summary (first/last eval loss, paths)."""
+    """Trains ``config`` in ``workdir``; returns a summary (first/last eval loss, paths).
+
+    Resumes from the newest complete checkpoint in ``workdir`` (or starts from
+    ``checkpoint.restore_from``); on SIGTERM/SIGINT finishes the step, saves and returns."""
     validate(config, jax.device_count())
     from data.pipeline import make_pipeline  # imports datasets/tokenizers: after validation
 
     mesh = make_mesh(config.mesh)
     pipe = make_pipeline(config, mesh)
-    prepare_workdir(workdir, config, pipe.fingerprint)
+    check_workdir(workdir, pipe.fingerprint)
     trainer = Trainer(config, mesh)
-    ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint)
     t = config.train
+    workdir.mkdir(parents=True, exist_ok=True)
     log = MetricsLogger(workdir, config, start_step=0)
+    ckpts = None
+    try:
+        ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint, log=log.write)
+        start, state = start_state(config, trainer, pipe, ckpts, log.write)
+        # Only now, with the checkpoint found to fit this config, is the config recorded.
+        write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint)
+        meta = run_meta(config, pipe.fingerprint, mesh)
+        if start > 0:
+            forget_after(workdir, start)
+        summary = _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
+    finally:
+        pipe.train.close()
+        if ckpts is not None:
+            ckpts.close()
+        log.close()
+    return summary
 
-    start = ckpts.latest_step()
-    if start is not None:
-        state, data_state = ckpts.restore(trainer.abstract_state, start)
-        pipe.train.restore(data_state)
-        log.write(f"resuming from step {start} ({ckpts.path(start)})")
-    else:
-        start = 0
-        state = trainer.init(t.seed)
-    log.set_start(start)
+
+def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta) -> dict:
+    t = config.train
+    if log.bar is not None:
+        log.bar.n = start
     m, L = config.model, config.data.seq_len
     tokens_per_step = config.data.batch_size * L
     flops_tok = flops_per_token(m, L)
@@ -87,7 +124,8 @@ def run(config, workdir: pathlib.Path) -> dict:
     if start == 0:
         do_eval(0)
     lr_at = schedule(t)
-    pending, clock, clock_step, t_first = None, None, start, time.perf_counter()
+    pending, clock, clock_step = None, None, start
+    stopped = None
 
     def flush(pending):
         nonlocal clock, clock_step
@@ -98,16 +136,16 @@ def run(config, workdir: pathlib.Path) -> dict:
                            f"{int(metrics['bad_step']) + 1}; lower train.lr or raise "
                            f"train.warmup_steps (last checkpoint: step {ckpts.latest_step()})")
         now = time.perf_counter()
-        if step == clock_step:  # the compile step itself: its wall time, compile included
-            tps = tokens_per_step / max(clock - t_first, 1e-9)
-        else:
-            tps = (step - clock_step) * tokens_per_step / max(now - clock, 1e-9)
-            clock, clock_step = now, step
+        tps = (step - clock_step) * tokens_per_step / max(now - clock, 1e-9)
+        clock, clock_step = now, step
         log.train({"step": step, "loss": float(metrics["loss"]),
                    "grad_norm": float(metrics["grad_norm"]), "lr": float(lr_at(step - 1)),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / peak})
 
-    try:
+    def save(step, force=False):
+        ckpts.save(step, state, pipe.train.state(), meta, force=force)
+
+    with StopOnSignal() as stop:
         for step in range(start + 1, t.steps + 1):
             state, metrics = trainer.train_step(state, next(pipe.train))
             if clock is None:  # the first step compiles: keep it out of tokens/s
@@ -120,22 +158,28 @@ def run(config, workdir: pathlib.Path) -> dict:
                 pending = (step, metrics)
             log.advance()
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step != t.steps:
-                ckpts.save(step, state, pipe.train.state())
+                save(step)
             if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                 do_eval(step)
+            if step != t.steps and should_stop(stop, ckpts.manager, step):
+                stopped = step
+                break
         if pending is not None:
             flush(pending)
-        if t.steps > start:
-            do_eval(t.steps)
-        ckpts.save(t.steps, state, pipe.train.state(), force=True)
-        ckpts.wait()
-    finally:
-        pipe.train.close()
-        ckpts.close()
-        log.close()
+        if stopped is not None:
+            save(stopped, force=True)
+            ckpts.wait()
+            log.write(f"stopped by {stop.name or 'preemption'} after step {stopped}: saved "
+                      f"{ckpts.path(stopped)}; run the same command to resume")
+        else:
+            if t.steps > start:
+                do_eval(t.steps)
+            save(t.steps, force=True)
+            ckpts.wait()
 
     summary = {"workdir": str(workdir), "metrics": str(workdir / "metrics.jsonl"),
-               "checkpoint": str(ckpts.path(ckpts.latest_step())), "evals": evals}
+               "checkpoint": str(ckpts.path(ckpts.latest_step())), "evals": evals,
+               "start_step": start, "stopped_at": stopped}
     if len(evals) >= 2:
         first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
         summary["eval_drop"] = 1 - last / first

@@ -1,0 +1,63 @@
+"""Where a run starts: its own newest complete checkpoint, another run's, or step 0.
+
+Its own checkpoints win over ``checkpoint.restore_from``: a run started from another run's
+weights and then preempted must resume its own progress, not start over.
+"""
+from __future__ import annotations
+
+import json
+
+from checkpoints.compat import CheckpointError, checker
+from checkpoints.manager import Checkpoints, locate
+
+
+def run_meta(config, fingerprint: str, mesh) -> dict:
+    """What each checkpoint records about the run that wrote it."""
+    return {"config": json.loads(config.to_json_best_effort()), "tokenizer": fingerprint,
+            "mesh": {k: int(v) for k, v in mesh.shape.items()},
+            "layout": config.attention.layout}
+
+
+def _restore_data(pipe, data_state: dict, where: str):
+    from data import DataError
+    try:
+        pipe.train.restore(data_state)
+    except DataError as e:
+        raise CheckpointError(f"{e} ({where}); to take only its weights, add "
+                              f"--config.checkpoint.restore_weights_only=True") from None
+
+
+def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, object]:
+    """(step, TrainState) to continue from; restores the data iterator's position with it."""
+    check = checker(config, pipe.fingerprint)
+    k = config.checkpoint
+    own = ckpts.restore(trainer.abstract_state, check=check)
+    if own is not None:
+        if k.restore_from:
+            log(f"checkpoint.restore_from={k.restore_from} is ignored: this run resumes from its "
+                f"own checkpoints")
+        _restore_data(pipe, own.data, str(own.path))
+        log(f"resuming from step {own.step} ({own.path})")
+        return own.step, own.state
+    if not k.restore_from:
+        return 0, trainer.init(config.train.seed)
+
+    directory, step = locate(k.restore_from)
+    other = Checkpoints(directory, log=log)
+    try:
+        if k.restore_weights_only:
+            got = other.restore_params(trainer.abstract_state.params, step=step, check=check)
+        else:
+            got = other.restore(trainer.abstract_state, step=step, check=check)
+    finally:
+        other.close()
+    if got is None:
+        raise CheckpointError(f"checkpoint.restore_from: no complete checkpoint in {directory}")
+    if k.restore_weights_only:
+        log(f"starting from the weights of step {got.step} ({got.path}): fresh optimizer, "
+            f"step 0, data from the beginning")
+        return 0, trainer.init(config.train.seed).replace(params=got.params)
+    _restore_data(pipe, got.data, str(got.path))
+    log(f"starting from step {got.step} of another run ({got.path}): weights, optimizer state "
+        f"and data position")
+    return got.step, got.state
