@@ -13,6 +13,7 @@ it (one hop behind the K/V prefetch) and arrives home after N hops. Only the Hkv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -182,8 +183,25 @@ def _shift(tree, ring):
 
 
 def _forward(q, k, v, positions, segment_ids, ring: _Ring):
-    seg_spec = None if segment_ids is None else ring.spec("b", "s")
+    specs = _fwd_specs(ring, segment_ids is not None)
+    return _forward_program(ring, segment_ids is not None)(
+        *(_reshard(x, s, ring) for x, s in zip((q, k, v, positions, segment_ids), specs)))
 
+
+def _fwd_specs(ring, has_seg):
+    qspec = ring.spec("b", "s", "h", None)
+    return (qspec, qspec, qspec, ring.spec("b", "s"), ring.spec("b", "s") if has_seg else None)
+
+
+def _bwd_specs(ring, has_seg):
+    qspec = ring.spec("b", "s", "h", None)
+    return _fwd_specs(ring, has_seg) + (qspec, ring.spec("b", "h", "s", None), qspec)
+
+
+# One jitted program per ring configuration, reused across calls: eager callers (and layouts
+# that differ only in the runtime positions) then share one compilation.
+@functools.lru_cache(maxsize=None)
+def _forward_program(ring: _Ring, has_seg: bool):
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
         hkv = k_BCKD.shape[2]  # local count: heads may be split over the tensor axis
         q_s = bw.to_q_major(q_BCHD.astype(jnp.float32) * ring.scale, hkv)
@@ -202,16 +220,19 @@ def _forward(q, k, v, positions, segment_ids, ring: _Ring):
         return bw.from_q_major(out).astype(q_BCHD.dtype), lse
 
     qspec = ring.spec("b", "s", "h", None)
-    return jax.shard_map(
-        local, mesh=ring.mesh,
-        in_specs=(qspec, qspec, qspec, ring.spec("b", "s"), seg_spec),
-        out_specs=(qspec, ring.spec("b", "h", "s", None)),
-    )(*(_reshard(x, s, ring) for x, s in zip((q, k, v, positions, segment_ids),
-                                            (qspec, qspec, qspec, ring.spec("b", "s"), seg_spec))))
+    return jax.jit(jax.shard_map(local, mesh=ring.mesh, in_specs=_fwd_specs(ring, has_seg),
+                                 out_specs=(qspec, ring.spec("b", "h", "s", None))))
 
 
 def _backward(q, k, v, positions, segment_ids, out, lse, dout, ring: _Ring):
-    seg_spec = None if segment_ids is None else ring.spec("b", "s")
+    specs = _bwd_specs(ring, segment_ids is not None)
+    args = (q, k, v, positions, segment_ids, out, lse, dout)
+    return _backward_program(ring, segment_ids is not None)(
+        *(_reshard(x, s, ring) for x, s in zip(args, specs)))
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_program(ring: _Ring, has_seg: bool):
     n = ring.size
 
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKCG, dout_BCHD):
@@ -251,8 +272,5 @@ def _backward(q, k, v, positions, segment_ids, out, lse, dout, ring: _Ring):
         return dq, bw.from_kv_major(dk).astype(k_BCKD.dtype), bw.from_kv_major(dv).astype(v_BCKD.dtype)
 
     qspec = ring.spec("b", "s", "h", None)
-    in_specs = (qspec, qspec, qspec, ring.spec("b", "s"), seg_spec, qspec,
-                ring.spec("b", "h", "s", None), qspec)
-    args = (q, k, v, positions, segment_ids, out, lse, dout)
-    return jax.shard_map(local, mesh=ring.mesh, in_specs=in_specs, out_specs=(qspec, qspec, qspec))(
-        *(_reshard(x, s, ring) for x, s in zip(args, in_specs)))
+    return jax.jit(jax.shard_map(local, mesh=ring.mesh, in_specs=_bwd_specs(ring, has_seg),
+                                 out_specs=(qspec, qspec, qspec)))
