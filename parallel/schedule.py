@@ -1,0 +1,81 @@
+"""Work accounting of ring attention: tiles computed per device per round, per layout.
+
+Uses the kernel's own tile predicate (``parallel.blockwise.tile_case``) on the true positions
+each device holds, so these counts are exactly the (q tile, kv tile) pairs the kernel computes
+for causal attention without packed documents. A ring round takes as long as its busiest
+device, so the critical path is the sum over rounds of the per-round maximum.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from parallel.blockwise import MASKED, SKIP, tile_case
+from parallel.layouts import check, permutation
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    layout: str
+    seq_len: int
+    num_shards: int
+    block: int
+    stripe: int
+    tiles: np.ndarray  # [rounds, devices] tile pairs computed (masked or not)
+    masked: np.ndarray  # [rounds, devices] of which computed with the mask
+
+    @property
+    def tiles_per_chunk(self) -> int:
+        return self.seq_len // self.num_shards // self.block
+
+    @property
+    def critical_path(self) -> int:
+        """Sum over rounds of the busiest device's tiles: the ring's time in tile units."""
+        return int(self.tiles.max(axis=1).sum())
+
+    @property
+    def total(self) -> int:
+        return int(self.tiles.sum())
+
+    @property
+    def balance(self) -> float:
+        """Average work per device over the critical path (1.0 = no device ever waits)."""
+        return self.total / self.num_shards / self.critical_path
+
+
+def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1) -> Work:
+    """Per-device, per-round tile counts of causal ring attention with square tiles of ``block``.
+
+    Round ``r``: device ``d`` holds its own queries and the K/V block of device ``d - r mod N``.
+    """
+    check(layout, seq_len, num_shards, stripe)
+    n, chunk = num_shards, seq_len // num_shards
+    if block < 1 or chunk % block:
+        raise ValueError(f"block={block} does not divide the per-device chunk of {chunk} tokens "
+                         f"(seq_len {seq_len} / {n} shards)")
+    pos = permutation(layout, seq_len, n, stripe).reshape(n, chunk // block, block)
+    lo, hi = pos.min(-1), pos.max(-1)  # [device, tile]
+    d = np.arange(n)
+    src = (d[None, :] - d[:, None]) % n  # [round, device] -> device whose K/V block it holds
+    case = tile_case(lo[None, :, :, None], hi[None, :, :, None],
+                     lo[src][:, :, None, :], hi[src][:, :, None, :], causal=True)
+    tiles = (case != SKIP).sum(axis=(-2, -1))
+    masked = (case == MASKED).sum(axis=(-2, -1))
+    return Work(layout, seq_len, n, block, stripe, tiles, masked)
+
+
+def ideal_speedup(num_shards: int) -> float:
+    """2N/(N+1): the issue's ideal speedup of a balanced layout over contiguous.
+
+    In that model a contiguous round costs a full block on the busiest device, while a balanced
+    layout pays a full block only in its first (diagonal) round and half a block afterwards.
+    With tiles skipped inside the diagonal block too (as this kernel does), the limit for
+    many tiles per block is (2N-1)/N instead: see :func:`tile_limit_speedup`.
+    """
+    return 2 * num_shards / (num_shards + 1)
+
+
+def tile_limit_speedup(num_shards: int) -> float:
+    """(2N-1)/N: contiguous's (N - 1/2) blocks over a balanced layout's N/2, as tiles shrink."""
+    return (2 * num_shards - 1) / num_shards
