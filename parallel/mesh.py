@@ -92,8 +92,8 @@ def param_shardings(abstract_state, mesh: Mesh):
     from flax import nnx
 
     def one(var):
-        spec = logical_to_spec(var.get_metadata().get("axes"), var.value.ndim)
-        return NamedSharding(mesh, fit_spec(spec, var.value.shape, mesh))
+        spec = logical_to_spec(var.get_metadata().get("axes"), var.ndim)
+        return NamedSharding(mesh, fit_spec(spec, var.shape, mesh))
 
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
