@@ -102,8 +102,7 @@ def run(config, workdir: pathlib.Path) -> dict:
 
 def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta) -> dict:
     t = config.train
-    if log.bar is not None:
-        log.bar.n = start
+    log.set_start(start)
     m, L = config.model, config.data.seq_len
     tokens_per_step = config.data.batch_size * L
     flops_tok = flops_per_token(m, L)
@@ -124,7 +123,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     if start == 0:
         do_eval(0)
     lr_at = schedule(t)
-    pending, clock, clock_step = None, None, start
+    pending, clock, clock_step, t_first = None, None, start, time.perf_counter()
     stopped = None
 
     def flush(pending):
@@ -136,8 +135,11 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
                            f"{int(metrics['bad_step']) + 1}; lower train.lr or raise "
                            f"train.warmup_steps (last checkpoint: step {ckpts.latest_step()})")
         now = time.perf_counter()
-        tps = (step - clock_step) * tokens_per_step / max(now - clock, 1e-9)
-        clock, clock_step = now, step
+        if step == clock_step:  # the compile step itself: its wall time, compile included
+            tps = tokens_per_step / max(clock - t_first, 1e-9)
+        else:
+            tps = (step - clock_step) * tokens_per_step / max(now - clock, 1e-9)
+            clock, clock_step = now, step
         log.train({"step": step, "loss": float(metrics["loss"]),
                    "grad_norm": float(metrics["grad_norm"]), "lr": float(lr_at(step - 1)),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / peak})
