@@ -1,0 +1,59 @@
+"""A trained run directory as the scripts see it: its config, its tokenizer, its newest params.
+
+train.py leaves ``config.json``, ``tokenizer.json``, ``tokenizer_fingerprint.txt`` and
+``checkpoints/`` in the run directory; with those, generate/eval need neither the data cache
+nor the command line the run was started with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import ml_collections
+
+from checkpoints.compat import CheckpointError, checker
+from checkpoints.manager import Checkpoints, Restored
+
+
+@dataclasses.dataclass
+class Run:
+    directory: pathlib.Path
+    config: ml_collections.ConfigDict
+    tokenizer: object  # tokenizers.Tokenizer
+    fingerprint: str
+    checkpoints: Checkpoints
+
+    def restore_params(self, abstract_params, step: int | None = None) -> Restored:
+        got = self.checkpoints.restore_params(
+            abstract_params, step=step, check=checker(self.config, self.fingerprint))
+        if got is None:
+            raise CheckpointError(f"{self.checkpoints.directory} holds no checkpoint yet")
+        return got
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def open_run(directory: str | pathlib.Path, log=_log) -> Run:
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import fingerprint as tokenizer_fingerprint
+    d = pathlib.Path(directory).expanduser().absolute()
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"--run {d}: not a run directory (no config.json; give the "
+                              f"--workdir of a train.py run)")
+    config = ml_collections.ConfigDict(json.loads((d / "config.json").read_text()))
+    tok_file = d / "tokenizer.json"
+    if not tok_file.is_file():
+        raise CheckpointError(f"--run {d}: no tokenizer.json (runs write it since checkpoints "
+                              f"gained run metadata; resume the run once to write it)")
+    tokenizer = Tokenizer.from_file(str(tok_file))
+    fp = tokenizer_fingerprint(tokenizer)
+    fp_file = d / "tokenizer_fingerprint.txt"
+    if fp_file.is_file() and fp_file.read_text().strip() != fp:
+        raise CheckpointError(f"--run {d}: tokenizer.json does not match "
+                              f"tokenizer_fingerprint.txt ({fp} vs {fp_file.read_text().strip()})")
+    return Run(d, config, tokenizer, fp, Checkpoints(d / "checkpoints", log=log))

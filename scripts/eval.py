@@ -1,0 +1,200 @@
+"""Held-out loss and perplexity of a trained run, and loss by position: does it use long context?
+
+    python scripts/eval.py --run runs/demo [--batches 8] [--buckets 8] [--step N] [--out DIR]
+
+Evaluates the newest complete checkpoint on the run's held-out documents (never trained on).
+Each token's loss is bucketed by its position in its document, i.e. how many tokens of context
+it had: a model that uses long context has lower loss in later buckets. Writes a table to
+stdout, and ``eval.json`` and ``loss_by_position.png`` to --out (default RUN/eval).
+
+Uses the run's own mesh, attention and layout when this machine has the devices for them
+(batches then arrive in layout order and are put back in natural order by the layout's
+permutation); otherwise one device, dense attention, contiguous layout: the loss is the same.
+On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", required=True, help="run directory (train.py --workdir)")
+    p.add_argument("--batches", type=int, default=8, help="held-out batches of the run's shape")
+    p.add_argument("--buckets", type=int, default=8, help="position buckets over seq_len")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--out", default=None, help="where eval.json and the plot go (default RUN/eval)")
+    return p.parse_args(argv)
+
+
+def eval_setup(config, log):
+    """(config, mesh) to evaluate on: the run's when it fits this machine, else one device."""
+    import jax
+
+    from parallel.mesh import make_mesh
+    from training.validate import ConfigError, validate
+    try:
+        validate(config, jax.device_count())
+        return config, make_mesh(config.mesh)
+    except ConfigError as e:
+        log(f"the run's mesh does not fit {jax.device_count()} device(s) ({e}); evaluating on "
+            f"one device with dense attention, contiguous layout")
+    config = config.copy_and_resolve_references()
+    config.mesh.update(data=1, fsdp=1, sequence=1, tensor=1)
+    config.attention.update(impl="dense", layout="contiguous")
+    return config, make_mesh(config.mesh, jax.devices()[:1])
+
+
+def token_losses_fn(trainer):
+    """jit(params, batch) -> (loss per token [B, L], mask [B, L]), both in the batch's layout."""
+    import jax
+    import optax
+    from flax import nnx
+
+    def per_token(params, batch):
+        logits = nnx.merge(trainer.graphdef, params)(
+            batch["tokens"], batch["positions"], batch["segment_ids"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return ce * batch["loss_mask"], batch["loss_mask"]
+
+    return jax.jit(per_token, in_shardings=(trainer.param_shardings, trainer.batch_shardings))
+
+
+def context_lengths(segment_ids_BL):
+    """Tokens of the same document before each token, from natural-order segment ids."""
+    import numpy as np
+    B, L = segment_ids_BL.shape
+    idx = np.broadcast_to(np.arange(L), (B, L))
+    starts = np.ones((B, L), bool)
+    starts[:, 1:] = segment_ids_BL[:, 1:] != segment_ids_BL[:, :-1]
+    start_idx = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+    return idx - start_idx
+
+
+def bucketize(loss_BL, mask_BL, context_BL, seq_len: int, buckets: int) -> list[dict]:
+    import numpy as np
+    edges = np.linspace(0, seq_len, buckets + 1).round().astype(int)
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (context_BL >= lo) & (context_BL < hi)
+        n = float(mask_BL[sel].sum())
+        loss = float(loss_BL[sel].sum() / n) if n else None
+        rows.append({"start": int(lo), "end": int(hi), "tokens": int(n), "loss": loss,
+                     "ppl": math.exp(min(loss, 50.0)) if loss is not None else None})
+    return rows
+
+
+def plot(rows: list[dict], result: dict, path: pathlib.Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    xs = [(r["start"] + r["end"]) / 2 for r in rows if r["loss"] is not None]
+    ys = [r["loss"] for r in rows if r["loss"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, ys, marker="o")
+    ax.axhline(result["loss"], color="gray", linestyle="--", linewidth=1,
+               label=f"all tokens: {result['loss']:.3f}")
+    ax.set_xlabel("position in document (tokens of context)")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title(f"{pathlib.Path(result['run']).name}, step {result['step']}: loss by position")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(rows: list[dict], result: dict) -> str:
+    lines = [f"run {result['run']}, step {result['step']}: held-out loss {result['loss']:.4f}, "
+             f"perplexity {result['ppl']:.2f} over {result['tokens']} tokens "
+             f"({result['batches']} batches)",
+             f"{'positions':>13} {'tokens':>9} {'loss':>8} {'ppl':>10}"]
+    for r in rows:
+        span = f"{r['start']}-{r['end'] - 1}"
+        if r["loss"] is None:
+            lines.append(f"{span:>13} {0:>9} {'-':>8} {'-':>10}")
+        else:
+            lines.append(f"{span:>13} {r['tokens']:>9} {r['loss']:>8.4f} {r['ppl']:>10.2f}")
+    return "\n".join(lines)
+
+
+def evaluate(run, args, log) -> dict:
+    import jax
+    import numpy as np
+
+    from data.pipeline import make_pipeline
+    from parallel.layouts import inverse, permutation
+    from training.state import Trainer
+    config, mesh = eval_setup(run.config, log)
+    pipe = make_pipeline(config, mesh)
+    if pipe.fingerprint != run.fingerprint:
+        from checkpoints.compat import CheckpointError
+        raise CheckpointError(f"the data pipeline now gives tokenizer {pipe.fingerprint}, but "
+                              f"{run.directory} was trained with {run.fingerprint}")
+    try:
+        trainer = Trainer(config, mesh)
+        got = run.restore_params(trainer.abstract_state.params, step=args.step)
+        per_token = token_losses_fn(trainer)
+        L = int(config.data.seq_len)
+        natural = inverse(permutation(config.attention.layout, L, int(mesh.shape["sequence"]),
+                                      int(config.attention.stripe)))
+        losses, masks, contexts = [], [], []
+        for batch in pipe.heldout_batches(args.batches):
+            loss, mask = jax.device_get(per_token(got.params, batch))
+            segments = np.asarray(jax.device_get(batch["segment_ids"]))[:, natural]
+            losses.append(np.asarray(loss)[:, natural])
+            masks.append(np.asarray(mask)[:, natural])
+            contexts.append(context_lengths(segments))
+    finally:
+        pipe.close()
+    loss_BL, mask_BL = np.concatenate(losses), np.concatenate(masks)
+    tokens = float(mask_BL.sum())
+    mean = float(loss_BL.sum() / max(tokens, 1.0))
+    result = {"run": str(run.directory), "step": got.step, "checkpoint": str(got.path),
+              "batches": args.batches, "tokens": int(tokens), "loss": mean,
+              "ppl": math.exp(min(mean, 50.0)),
+              "layout": config.attention.layout, "attention": config.attention.impl,
+              "mesh": {k: int(v) for k, v in mesh.shape.items()},
+              "bucketed_by": "position in document (tokens of context before the token)"}
+    result["buckets"] = bucketize(loss_BL, mask_BL, np.concatenate(contexts), L, args.buckets)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    from checkpoints.compat import CheckpointError
+    from training.entry import user_errors
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        if args.batches < 1 or args.buckets < 1:
+            raise CheckpointError(f"--batches={args.batches} and --buckets={args.buckets} must "
+                                  f"be >= 1")
+        from checkpoints.rundir import open_run
+        run = open_run(args.run, log=log)
+        result = evaluate(run, args, log)
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out) if args.out else run.directory / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result["buckets"], result, out / "loss_by_position.png")
+    print(table(result["buckets"], result))
+    print(f"wrote {out / 'eval.json'} and {out / 'loss_by_position.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

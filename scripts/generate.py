@@ -1,0 +1,153 @@
+"""Sample text from a trained run: the newest complete checkpoint's weights, the run's tokenizer.
+
+    python scripts/generate.py --run runs/demo --prompt "def main(" [--max-new-tokens 200]
+        [--greedy | --temperature 0.8 --top-k 40] [--seed 0] [--step N] [--json out.json]
+
+Runs on one device with dense attention in the contiguous layout, whatever mesh and layout the
+run trained with: the parameters depend on neither. Each token recomputes the whole window (no
+KV cache) in a fixed buffer of the run's seq_len, so one compiled program serves every token;
+a window that fills up slides left by one token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", required=True, help="run directory (train.py --workdir)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
+    p.add_argument("--greedy", action="store_true", help="always the likeliest token")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--json", default=None, help="also write prompt, tokens and text here")
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    from checkpoints.compat import CheckpointError
+    if args.max_new_tokens < 1:
+        raise CheckpointError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if not args.greedy and args.temperature <= 0:
+        raise CheckpointError(f"--temperature={args.temperature} must be > 0 (or use --greedy)")
+    if args.top_k < 0:
+        raise CheckpointError(f"--top-k={args.top_k} must be >= 0 (0 samples among all tokens)")
+
+
+def single_device_model(config):
+    """(graphdef, abstract params on device 0) of the run's model, dense and contiguous."""
+    import jax
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+
+    from model.decoder import Decoder
+    from model.layers import AttentionBackend
+    backend = AttentionBackend(impl="dense", layout="contiguous")
+    abstract = nnx.eval_shape(lambda: Decoder(config.model, backend, nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    on_device = SingleDeviceSharding(jax.devices()[0])
+    return graphdef, jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
+        nnx.to_pure_dict(params))
+
+
+def make_step(graphdef, window: int, usable_vocab: int, greedy: bool, temperature: float,
+              top_k: int):
+    """step(params, buf [window], n, key) -> (buf, n + 1, token): appends one sampled token."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    positions = jnp.arange(window, dtype=jnp.int32)[None]
+    segments = jnp.ones((1, window), jnp.int32)
+
+    @jax.jit
+    def step(params, buf, n, key):
+        full = n >= window
+        buf = jnp.where(full, jnp.roll(buf, -1), buf)
+        n = jnp.where(full, window - 1, n)
+        logits = nnx.merge(graphdef, params)(buf[None], positions, segments)[0, n - 1]
+        # Embedding rows past the tokenizer's vocabulary were never trained on: never pick them.
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < usable_vocab, logits, -jnp.inf)
+        if greedy:
+            token = jnp.argmax(logits)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = jax.lax.top_k(logits, min(top_k, usable_vocab))[0][-1]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
+            token = jax.random.categorical(key, logits)
+        token = token.astype(buf.dtype)
+        return buf.at[n].set(token), n + 1, token
+
+    return step
+
+
+def generate(run, params, graphdef, prompt: str, args) -> list[int]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from data.tokenizer import eos_id
+    window = int(run.config.data.seq_len)
+    ids = run.tokenizer.encode(prompt).ids
+    if not ids:
+        ids = [eos_id(run.tokenizer)]  # an empty prompt starts a new document
+    ids = ids[-window:]
+    buf = np.zeros(window, np.int32)
+    buf[:len(ids)] = ids
+    step = make_step(graphdef, window, run.tokenizer.get_vocab_size(), args.greedy,
+                     args.temperature, args.top_k)
+    buf, n, key = jnp.asarray(buf), jnp.int32(len(ids)), jax.random.key(args.seed)
+    eos, out = eos_id(run.tokenizer), []
+    for _ in range(args.max_new_tokens):
+        key, sub = jax.random.split(key)
+        buf, n, token = step(params, buf, n, sub)
+        token = int(token)
+        if token == eos:
+            break
+        out.append(token)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    from training.entry import user_errors
+    try:
+        check_args(args)
+        from checkpoints.rundir import open_run
+        run = open_run(args.run)
+        graphdef, abstract = single_device_model(run.config)
+        got = run.restore_params(abstract, step=args.step)
+        mode = ("greedy" if args.greedy else
+                f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
+        print(f"{run.directory}: step {got.step} ({got.path}); {mode}", file=sys.stderr)
+        t0 = time.perf_counter()
+        tokens = generate(run, got.params, graphdef, args.prompt, args)
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = run.tokenizer.decode(tokens)
+    print(args.prompt + text)
+    print(f"{len(tokens)} tokens in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"run": str(run.directory), "step": got.step, "prompt": args.prompt,
+                       "prompt_tokens": run.tokenizer.encode(args.prompt).ids, "tokens": tokens,
+                       "text": text, "greedy": args.greedy, "temperature": args.temperature,
+                       "top_k": args.top_k, "seed": args.seed}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

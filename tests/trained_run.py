@@ -1,0 +1,86 @@
+"""A small real training run, made once per test session and shared by the checkpoint tests.
+
+Runs go through train.py in subprocesses (8 simulated CPU devices), with a persistent XLA
+compilation cache shared by every subprocess of the session: the first run compiles, the
+others load the same programs, so each further run costs its startup and its steps only.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SESSION = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_tests_"))
+atexit.register(shutil.rmtree, SESSION, ignore_errors=True)
+
+STEPS = 40  # the reference run; the interrupted run stops near step 10 of the same 40
+EVERY = 8
+# configs/tiny.py made smaller; dense attention keeps compilation short (the checkpoint code
+# does not depend on the attention kernel; striped layout and sharded mesh stay as in tiny).
+OVERRIDES = {
+    "model.d_model": 64, "model.ffn_dim": 96, "model.num_heads": 4, "model.num_kv_heads": 2,
+    "attention.impl": "dense", "data.seq_len": 128, "data.batch_size": 4, "data.max_docs": 200,
+    "data.cache_dir": str(ROOT / ".cache" / "data"), "train.steps": STEPS, "train.log_every": 1,
+    "train.warmup_steps": 5, "train.eval_every": 0, "train.eval_batches": 1,
+    "checkpoint.every": EVERY, "checkpoint.keep": 6,
+}
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(SESSION / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2", PYTHONUNBUFFERED="1")
+    return e
+
+
+def train_cmd(workdir, **overrides) -> list[str]:
+    flags = {**OVERRIDES, **overrides}
+    return [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny.py"),
+            "--workdir", str(workdir), *[f"--config.{k}={v}" for k, v in flags.items()]]
+
+
+def train(workdir, timeout=240, **overrides) -> subprocess.CompletedProcess:
+    return subprocess.run(train_cmd(workdir, **overrides), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def script(name: str, *args, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def config(**overrides):
+    """The same configuration, in-process."""
+    from configs import tiny
+    c = tiny.get_config()
+    for key, value in {**OVERRIDES, **overrides}.items():
+        section, field = key.split(".")
+        c[section][field] = value
+    return c
+
+
+def metrics(workdir) -> dict[int, dict]:
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, filter(None, lines))}
+
+
+def evals(workdir) -> dict[int, dict]:
+    lines = (pathlib.Path(workdir) / "eval.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, filter(None, lines))}
+
+
+@functools.cache
+def reference() -> pathlib.Path:
+    """A finished run of STEPS steps, checkpoints every EVERY steps."""
+    workdir = SESSION / "reference"
+    out = train(workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir
