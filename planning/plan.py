@@ -1,0 +1,175 @@
+"""A run plan: size, FLOPs, per-device memory of the compiled step, collectives, step time.
+
+Everything here works on the devices JAX already has (simulated CPU devices for a mesh the
+machine does not have; ``planning.cli`` sets their number before JAX starts).
+"""
+from __future__ import annotations
+
+import math
+
+from planning import collectives as coll
+from planning import hardware as hwlib
+from planning import step_time
+
+REMATS = ("none", "attention", "full", "offload")
+
+
+class PlanError(ValueError):
+    """A plan request that cannot be made; the message says what would be valid."""
+
+
+def resolve_remats(arg: str | None, config_remat: str) -> list[str]:
+    """``None``: the config's policy; ``all``: every policy; else a comma list."""
+    if not arg:
+        return [config_remat]
+    if arg == "all":
+        return list(REMATS)
+    names = [r.strip() for r in arg.split(",") if r.strip()]
+    bad = [r for r in names if r not in REMATS]
+    if bad or not names:
+        raise PlanError(f"--remat {arg!r}: use all or a comma list of {', '.join(REMATS)}")
+    return names
+
+
+def validate(config, mesh_sizes: dict, layouts) -> None:
+    """Config checks of a run, plus every layout to be projected (zigzag needs 2N | L)."""
+    from parallel.layouts import LayoutError, check
+    from training.validate import ConfigError, validate as validate_config
+    num_devices = math.prod(mesh_sizes.values())
+    validate_config(config, num_devices)
+    for layout in layouts:
+        try:
+            check(layout, config.data.seq_len, mesh_sizes["sequence"],
+                  config.attention.stripe if layout == "striped" else 1)
+        except LayoutError as e:
+            raise ConfigError(f"--layouts: {e}") from None
+
+
+def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, hardware: str,
+              layouts=("contiguous", "striped", "zigzag"), remat: str | None = None,
+              compile_program: bool = True, devices=None) -> dict:
+    """The plan of ``config`` at ``seq_len`` with ``rows_per_replica`` sequences per
+    data x fsdp group on ``mesh_sizes``, projected onto ``hardware``.
+
+    Compiles one program per remat policy asked for (offload is estimated from the attention
+    and full programs: XLA CPU has no host-offload passes)."""
+    import jax
+
+    from model.flops import attention_flops_per_token, flops_per_token, matmul_params, param_count
+    from planning.program import compile_step, planned_config
+
+    hw = hwlib.get(hardware)
+    remats = resolve_remats(remat, config.model.remat)
+    primary = config.model.remat if config.model.remat in remats else remats[0]
+    layouts = list(layouts)
+    num_devices = math.prod(mesh_sizes.values())
+    global_rows = rows_per_replica * mesh_sizes["data"] * mesh_sizes["fsdp"]
+    base = planned_config(config, seq_len, global_rows, mesh_sizes, primary)
+    validate(base, mesh_sizes, layouts)
+    m = base.model
+    dtype_bytes = 2 if m.dtype == "bfloat16" else 4
+
+    plan = {
+        "config": config.name, "hardware": hw.name, "hardware_note": hw.note,
+        "mesh": dict(mesh_sizes), "num_devices": num_devices, "seq_len": seq_len,
+        "global_batch": global_rows, "rows_per_replica": rows_per_replica,
+        "tokens_per_step": global_rows * seq_len, "dtype": m.dtype, "param_dtype": m.param_dtype,
+        "attention": {"impl": base.attention.impl, "block_q": base.attention.block_q,
+                      "block_kv": base.attention.block_kv, "stripe": base.attention.stripe},
+        "remat": primary,
+        "params": abstract_param_count(m),
+        "params_closed_form": param_count(m),
+        "flops_per_token": {
+            "model": flops_per_token(m, seq_len),
+            "matmul": 6 * matmul_params(m),
+            "attention": attention_flops_per_token(m, seq_len, causal=True),
+            "attention_noncausal": attention_flops_per_token(m, seq_len, causal=False),
+        },
+        "hardware_memory_bytes": hw.memory_bytes,
+        "usable_fraction": hwlib.USABLE_FRACTION,
+        "notes": [],
+    }
+    if plan["params"] != plan["params_closed_form"]:
+        plan["notes"].append(f"the decoder has {plan['params']:,} parameters but model/flops.py's "
+                             f"closed form gives {plan['params_closed_form']:,}")
+    if not compile_program:
+        plan["layouts"] = step_time.project(base, mesh_sizes, global_rows, hw, layouts, primary,
+                                            None, dtype_bytes)["layouts"]
+        plan["step_time_by_remat"] = {
+            r: {k: v["projected_step_s"] for k, v in step_time.project(
+                base, mesh_sizes, global_rows, hw, layouts, r, None, dtype_bytes)["layouts"].items()}
+            for r in remats}
+        plan["notes"].append("--no-compile: no memory figures; FSDP traffic estimated analytically")
+        return plan
+
+    devices = (jax.devices() if devices is None else devices)
+    if len(devices) < num_devices:
+        raise PlanError(f"the mesh needs {num_devices} devices but this process has {len(devices)}; "
+                        f"run scripts/plan.py in a fresh process (it simulates them)")
+    devices = devices[:num_devices]
+
+    to_compile = [r for r in remats if r != "offload"]
+    if "offload" in remats:
+        to_compile += [r for r in ("attention", "full") if r not in to_compile]
+    programs = {}
+    for r in to_compile:
+        programs[r] = compile_step(planned_config(config, seq_len, global_rows, mesh_sizes, r), devices)
+
+    memory, step_by_remat, compile_times, colls_by_remat = {}, {}, {}, {}
+    for r in to_compile:
+        p = programs[r]
+        compile_times[r] = {"lower_s": p.lower_s, "compile_s": p.compile_s}
+        colls_by_remat[r] = coll.collectives(p.hlo_text, num_devices)
+        memory[r] = {**p.memory.as_dict(), "estimated": False}
+    if "offload" in remats:
+        memory["offload"] = _offload_estimate(programs["attention"].memory, programs["full"].memory,
+                                              m.num_layers)
+        colls_by_remat["offload"] = colls_by_remat["attention"]
+        plan["notes"].append(
+            "offload is estimated: XLA CPU compiles no host offload, so device memory is the full "
+            "remat program plus one layer's saved matmul outputs, and host memory the attention "
+            "program's extra temporaries")
+    usable = hw.memory_bytes * hwlib.USABLE_FRACTION
+    for r in memory:
+        memory[r]["fits"] = memory[r]["total"] <= usable
+    plan["memory"] = {r: memory[r] for r in remats}
+    plan["memory_per_device_bytes"] = memory[primary]["total"]
+    plan["fits"] = memory[primary]["fits"]
+    plan["compile"] = compile_times
+
+    colls = colls_by_remat[primary]
+    plan["collectives"] = coll.summarize(colls)
+    for r in remats:
+        proj = step_time.project(base if r == primary else
+                                 planned_config(config, seq_len, global_rows, mesh_sizes, r),
+                                 mesh_sizes, global_rows, hw, layouts, r, colls_by_remat[r], dtype_bytes)
+        step_by_remat[r] = {k: v["projected_step_s"] for k, v in proj["layouts"].items()}
+        if r == primary:
+            plan["layouts"] = proj["layouts"]
+            plan["dense"] = proj["dense"]
+            plan["ring_crosses_nodes"] = proj["ring_crosses_nodes"]
+            plan["ring_bandwidth_bytes_s"] = proj["ring_bandwidth_bytes_s"]
+    plan["step_time_by_remat"] = step_by_remat
+    plan["_programs"] = programs  # not serialised: lets callers run what was compiled
+    return plan
+
+
+def abstract_param_count(m) -> int:
+    """Parameters of the decoder as built (abstract shapes: nothing allocated)."""
+    import jax
+    from flax import nnx
+
+    from model.decoder import Decoder
+    from model.layers import AttentionBackend
+    model = nnx.eval_shape(lambda: Decoder(m, AttentionBackend(), nnx.Rngs(0)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def _offload_estimate(attention, full, num_layers: int) -> dict:
+    saved = max(attention.temporaries - full.temporaries, 0)
+    temps = full.temporaries + saved // max(num_layers, 1)
+    out = {"arguments": full.arguments, "outputs": full.outputs, "aliased": full.aliased,
+           "temporaries": temps, "host_temporaries": saved, "params": full.params,
+           "optimizer": full.optimizer, "batch": full.batch, "estimated": True}
+    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + temps
+    return out

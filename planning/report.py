@@ -1,0 +1,119 @@
+"""A plan as Markdown tables, and as JSON for scripts."""
+from __future__ import annotations
+
+import json
+
+from planning.collectives import KINDS
+
+GB = 1e9
+GiB = 1 << 30
+
+
+def _gib(b) -> str:
+    if abs(b) >= GiB / 10 or b == 0:
+        return f"{b / GiB:.2f} GiB"
+    return f"{b / (1 << 20):.1f} MiB"
+
+
+def _bytes(b) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _si(x) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _seconds(s) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def markdown(plan: dict) -> str:
+    mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items())
+    a = plan["attention"]
+    lines = [
+        f"## Plan: {plan['config']} on {plan['num_devices']} x {plan['hardware']} ({mesh})",
+        "",
+        f"seq_len {plan['seq_len']:,}, global batch {plan['global_batch']} "
+        f"({plan['rows_per_replica']} per data x fsdp group), {plan['tokens_per_step']:,} tokens "
+        f"per step; compute {plan['dtype']}, params {plan['param_dtype']}; attention "
+        f"{a['impl']} {a['block_q']}x{a['block_kv']} tiles; hardware: {plan['hardware_note']}.",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| parameters | {plan['params']:,} ({_si(plan['params'])}) |",
+        f"| FLOPs/token, model (6N + causal attention) | {_si(plan['flops_per_token']['model'])} |",
+        f"| FLOPs/token, matmuls 6N | {_si(plan['flops_per_token']['matmul'])} |",
+        f"| FLOPs/token, attention with the causal half (without) | "
+        f"{_si(plan['flops_per_token']['attention'])} "
+        f"({_si(plan['flops_per_token']['attention_noncausal'])}) |",
+    ]
+    if "memory" in plan:
+        hw_mem = plan["hardware_memory_bytes"]
+        lines += ["", f"### Memory per device (compiled step; fits = total <= "
+                      f"{plan['usable_fraction']:.0%} of {_gib(hw_mem)})", "",
+                  "| remat | params | optimizer | batch | temporaries | outputs not aliased "
+                  "| total | of device | fits |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r, mem in plan["memory"].items():
+            tag = " (est.)" if mem.get("estimated") else ""
+            host = f", +{_gib(mem['host_temporaries'])} host" if mem.get("host_temporaries") else ""
+            lines.append(
+                f"| {r}{tag}{' *' if r == plan['remat'] else ''} | {_gib(mem['params'])} | "
+                f"{_gib(mem['optimizer'])} | {_gib(mem['batch'])} | {_gib(mem['temporaries'])}{host} | "
+                f"{_gib(mem['outputs'] - mem['aliased'])} | {_gib(mem['total'])} | "
+                f"{mem['total'] / hw_mem:.0%} | {'yes' if mem['fits'] else 'NO'} |")
+        comp = plan.get("compile", {})
+        if comp:
+            lines += ["", "Compiled on simulated CPU devices: " + ", ".join(
+                f"{r} {c['lower_s']:.1f} s lower + {c['compile_s']:.1f} s compile"
+                for r, c in comp.items()) + "."]
+    if "collectives" in plan:
+        lines += ["", f"### Collectives per step, per device (remat {plan['remat']}; loops counted "
+                      "by trip count)", "",
+                  "| kind | HLO ops | executions | bytes (accelerator dtype) | bytes as compiled on CPU |",
+                  "|---|---|---|---|---|"]
+        for k in KINDS:
+            c = plan["collectives"][k]
+            lines.append(f"| {k} | {c['instructions']} | {c['count']:,} | {_bytes(c['bytes'])} | "
+                         f"{_bytes(c['cpu_bytes'])} |")
+    lines += ["", f"### Projected step (lower bound: peak FLOP/s and link bandwidth; remat "
+                  f"{plan['remat']})", "",
+              "| layout | critical path (tiles) | balance | attention | rest of step | step time "
+              "| tokens/s | MFU bound |",
+              "|---|---|---|---|---|---|---|---|"]
+    for layout, p in plan["layouts"].items():
+        lines.append(f"| {layout} | {p['critical_path_tiles']:,} | {p['balance']:.2f} | "
+                     f"{_seconds(p['attention_s'])} | {_seconds(p['dense_s'])} | "
+                     f"{_seconds(p['projected_step_s'])} | {_si(p['tokens_per_s'])} | "
+                     f"{p['mfu_bound']:.1%} |")
+    if "ring_bandwidth_bytes_s" in plan:
+        first = next(iter(plan["layouts"].values()))["ring"]
+        lines += ["", f"Ring links: {plan['ring_bandwidth_bytes_s'] / GB:.0f} GB/s one way"
+                      f"{' (the ring crosses nodes)' if plan['ring_crosses_nodes'] else ''}; "
+                      f"per forward round at most {_seconds(first['round_compute_s'])} of tiles "
+                      f"vs {_seconds(first['round_send_s'])} to send K/V. Rest of step: "
+                      f"{_seconds(plan['dense']['compute_s'])} of matmuls vs "
+                      f"{_seconds(plan['dense']['collectives_s'])} of other collectives "
+                      f"({plan['dense']['collectives_source']})."]
+    if len(plan.get("step_time_by_remat", {})) > 1:
+        lays = list(plan["layouts"])
+        lines += ["", "| remat | " + " | ".join(f"step, {x}" for x in lays) + " |",
+                  "|---|" + "---|" * len(lays)]
+        for r, by in plan["step_time_by_remat"].items():
+            lines.append(f"| {r} | " + " | ".join(_seconds(by[x]) for x in lays) + " |")
+    for note in plan.get("notes", []):
+        lines += ["", f"Note: {note}."]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(plan: dict) -> str:
+    return json.dumps({k: v for k, v in plan.items() if not k.startswith("_")}, indent=2,
+                      default=float) + "\n"

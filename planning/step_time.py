@@ -1,0 +1,173 @@
+"""Projected step time and MFU bound of a planned run, per token layout.
+
+The model is a lower bound on the step time (an upper bound on MFU): matmuls run at the
+hardware's peak bf16 FLOP/s and links at their peak bandwidth. Two phases per step:
+
+- attention, layer by layer: ring rounds. A round lasts as long as the busiest device's tiles
+  (``parallel.schedule``: the kernel's own skip predicate) or the K/V transfer to the next
+  device, whichever is longer, since the kernel issues the next block's send before computing
+  the current one. Masked and unmasked tiles cost the same (the kernel computes the whole tile
+  and then masks); skipped tiles cost nothing. That is where the layouts differ.
+- everything else (projections, MLP, head, optimizer): matmul FLOPs split over all devices,
+  overlapped with the non-ring collectives of the compiled step (FSDP gathers, gradient
+  reductions), so the longer of the two counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from model.flops import flops_per_token, head_dim, matmul_params
+from planning import collectives as coll
+from planning.hardware import Hardware, link_bandwidth
+
+# Per (query, key) pair, per head dim: QK^T and PV are 2 matmuls of 2 FLOPs a multiply-add.
+# The backward recomputes the scores and computes dV, dP, dQ and dK: 5 matmuls.
+FWD_PAIR_FLOPS = 4
+BWD_PAIR_FLOPS = 10
+# Remat policies that recompute the attention forward / the layer's matmuls in the backward.
+RECOMPUTES_ATTENTION = ("attention", "full", "offload")
+RECOMPUTES_MATMULS = ("full",)
+
+
+@dataclasses.dataclass
+class Shape:
+    """Per-device sizes of one planned step."""
+    rows: int  # sequences per device (global rows / (data x fsdp))
+    chunk: int  # tokens per device of each sequence (seq_len / sequence)
+    ring: int  # devices in the ring (mesh sequence axis)
+    q_heads: int  # query heads per device (over the tensor axis)
+    kv_heads: int
+    head_dim: int
+    block_q: int
+    block_kv: int
+    dtype_bytes: int  # activations' dtype (K/V travel in it; dK/dV travel in fp32)
+    has_segments: bool = True  # segment ids travel with K/V (packed documents)
+
+
+def shape_of(config, mesh_sizes: dict, global_rows: int, dtype_bytes: int = 2) -> Shape:
+    m, a = config.model, config.attention
+    n, t = mesh_sizes["sequence"], mesh_sizes["tensor"]
+    chunk = config.data.seq_len // n
+    return Shape(rows=global_rows // (mesh_sizes["data"] * mesh_sizes["fsdp"]), chunk=chunk, ring=n,
+                 q_heads=m.num_heads // t, kv_heads=m.num_kv_heads // t, head_dim=head_dim(m),
+                 block_q=min(a.block_q, chunk), block_kv=min(a.block_kv, chunk),
+                 dtype_bytes=dtype_bytes)
+
+
+def tiles_per_round(layout: str, seq_len: int, ring: int, block_q: int, block_kv: int,
+                    stripe: int = 1) -> np.ndarray:
+    """``[rounds, devices]`` tile pairs each device computes (masked or not) in each round."""
+    if block_q == block_kv:
+        from parallel.schedule import work
+        return work(layout, seq_len, ring, block_q, stripe).tiles
+    # Rectangular tiles: the same predicate, evaluated here.
+    from parallel.blockwise import SKIP, tile_case
+    from parallel.layouts import permutation
+    chunk = seq_len // ring
+    pos = permutation(layout, seq_len, ring, stripe).reshape(ring, chunk)
+    qp = pos.reshape(ring, chunk // block_q, block_q)
+    kp = pos.reshape(ring, chunk // block_kv, block_kv)
+    d = np.arange(ring)
+    src = (d[None, :] - d[:, None]) % ring
+    case = tile_case(qp.min(-1)[None, :, :, None], qp.max(-1)[None, :, :, None],
+                     kp.min(-1)[src][:, :, None, :], kp.max(-1)[src][:, :, None, :], causal=True)
+    return (case != SKIP).sum(axis=(-2, -1))
+
+
+def ring_layer_time(tiles: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, remat: str) -> dict:
+    """Seconds of one layer's ring attention (forward, recomputed forward, backward)."""
+    pair = s.block_q * s.block_kv * s.head_dim * s.q_heads * s.rows
+    busiest = tiles.max(axis=1).astype(float)  # [rounds]
+    kv = 2 * s.rows * s.chunk * s.kv_heads * s.head_dim * s.dtype_bytes
+    kv += (2 if s.has_segments else 1) * s.rows * s.chunk * 4  # positions (+ segment ids)
+    dkv = 2 * s.rows * s.chunk * s.kv_heads * s.head_dim * 4
+    last = np.arange(len(busiest)) == len(busiest) - 1
+    send_fwd = np.where(last, 0.0, kv) / ring_bw  # the last round sends nothing
+    fwd_compute = busiest * FWD_PAIR_FLOPS * pair / hw.peak_flops
+    fwd = np.maximum(fwd_compute, send_fwd).sum()
+    # Backward round r: K/V prefetch for the next round and last round's dK/dV move on; the
+    # final hop brings each block's dK/dV home after the last round.
+    send_bwd = (np.where(last, 0.0, kv) + np.where(np.arange(len(busiest)) == 0, 0.0, dkv)) / ring_bw
+    bwd_compute = busiest * BWD_PAIR_FLOPS * pair / hw.peak_flops
+    bwd = np.maximum(bwd_compute, send_bwd).sum() + (dkv / ring_bw if len(busiest) > 1 else 0.0)
+    passes = 2 if remat in RECOMPUTES_ATTENTION else 1
+    return {"forward_s": float(fwd), "backward_s": float(bwd), "forward_passes": passes,
+            "total_s": float(passes * fwd + bwd),
+            "round_compute_s": float(fwd_compute.max()), "round_send_s": float(send_fwd.max()),
+            "compute_bound_rounds": int((fwd_compute >= send_fwd).sum())}
+
+
+def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: str,
+               colls: list | None, mesh_sizes: dict) -> dict:
+    """Seconds of everything but attention: matmuls vs the non-ring collectives."""
+    m = config.model
+    tokens = global_rows * config.data.seq_len
+    per_token = 6 * matmul_params(m)
+    if remat in RECOMPUTES_MATMULS:  # the layers' forward matmuls run again (not the head)
+        per_token += 2 * (matmul_params(m) - m.d_model * m.vocab_size)
+    compute = per_token * tokens / num_devices / hw.peak_flops
+    comm, source = 0.0, "compiled HLO"
+    if colls is not None:
+        for c in colls:
+            if c.kind == "collective-permute":
+                continue  # the ring's, modelled per round above
+            bw = link_bandwidth(hw, coll.crosses_nodes(c, hw.node_size))
+            comm += c.count * coll.link_traffic(c) / bw
+    else:
+        # Without a compiled program: FSDP gathers the bf16 weights for the forward and again
+        # for the backward and reduce-scatters fp32 gradients, each (n-1)/n of the weights.
+        f = mesh_sizes["fsdp"]
+        if f > 1:
+            share = (f - 1) / f / mesh_sizes["tensor"]
+            traffic = share * (2 * 2 + 4) * matmul_params(m)
+            comm = traffic / link_bandwidth(hw, axis_crosses_nodes(mesh_sizes, "fsdp", hw))
+        source = "analytic FSDP estimate"
+    return {"compute_s": compute, "collectives_s": comm, "total_s": max(compute, comm),
+            "collectives_source": source}
+
+
+def axis_crosses_nodes(mesh_sizes: dict, axis: str, hw: Hardware) -> bool:
+    """Whether the groups along one mesh axis span nodes, with the mesh laid out row-major over
+    (data, fsdp, sequence, tensor) and each node holding ``node_size`` consecutive devices
+    (what ``jax.make_mesh`` does: the inner axes stay on the fast links)."""
+    if not hw.node_size or mesh_sizes[axis] == 1:
+        return False
+    order = ("data", "fsdp", "sequence", "tensor")
+    ids = np.arange(int(np.prod([mesh_sizes[a] for a in order]))).reshape(
+        [mesh_sizes[a] for a in order])
+    groups = np.moveaxis(ids, order.index(axis), -1).reshape(-1, mesh_sizes[axis]) // hw.node_size
+    return bool((groups.min(axis=1) != groups.max(axis=1)).any())
+
+
+def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, remat: str,
+            colls: list | None = None, dtype_bytes: int = 2) -> dict:
+    """Per layout: projected step seconds, tokens/s and MFU bound, with the parts."""
+    m = config.model
+    num_devices = int(np.prod([mesh_sizes[a] for a in ("data", "fsdp", "sequence", "tensor")]))
+    s = shape_of(config, mesh_sizes, global_rows, dtype_bytes)
+    crosses = axis_crosses_nodes(mesh_sizes, "sequence", hw)
+    ring_bw = link_bandwidth(hw, crosses)
+    dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes)
+    tokens = global_rows * config.data.seq_len
+    model_flops = flops_per_token(m, config.data.seq_len) * tokens
+    out = {}
+    for layout in layouts:
+        stripe = config.attention.stripe if layout == "striped" else 1
+        tiles = tiles_per_round(layout, config.data.seq_len, s.ring, s.block_q, s.block_kv, stripe)
+        ring = ring_layer_time(tiles, s, hw, ring_bw, remat)
+        step = m.num_layers * ring["total_s"] + dense["total_s"]
+        out[layout] = {
+            "projected_step_s": step,
+            "tokens_per_s": tokens / step,
+            "mfu_bound": model_flops / (num_devices * hw.peak_flops * step),
+            "attention_s": m.num_layers * ring["total_s"],
+            "dense_s": dense["total_s"],
+            "critical_path_tiles": int(tiles.max(axis=1).sum()),
+            "tiles_per_round_max": int(tiles.max()),
+            "balance": float(tiles.sum() / s.ring / max(tiles.max(axis=1).sum(), 1)),
+            "ring": ring,
+        }
+    return {"layouts": out, "dense": dense, "ring_crosses_nodes": crosses,
+            "ring_bandwidth_bytes_s": ring_bw, "model_flops_per_step": model_flops}
