@@ -13,10 +13,12 @@ the query-head group folded into the rows, and K/V are never repeated for GQA):
     k_BKCD   keys / values
     m_BKCG   per-row running max (and l, lse, delta)
 
-Skipping is done with ``lax.switch`` on a case index computed from runtime positions inside
-``lax.fori_loop``; on XLA CPU a conditional only saves work when XLA cannot resolve its
-predicate at compile time, and the loop keeps the kernel's code size independent of the
-number of tiles.
+Skipped tiles are never visited: per q tile (per kv tile in the backward) the kernel builds,
+at run time, the list of tiles to compute and loops over exactly those with a dynamic trip
+count; ``lax.cond`` then picks the masked or unmasked body. Nothing is unrolled, so the code
+size does not grow with the number of tiles, and since the lists come from runtime positions
+XLA cannot fold the decisions into compile-time constants (on XLA CPU a conditional with a
+constant predicate is no cheaper than its expensive branch).
 """
 from __future__ import annotations
 
@@ -168,6 +170,17 @@ def _seg_slice(seg, start, size):
     return None if seg is None else _slice(seg, start, size, 1)
 
 
+def _work_lists(cases, axis):
+    """Per row of ``cases`` (axis=1: per q tile over kv tiles; axis=0: per kv tile over q
+    tiles): the indices of the tiles to compute, in ascending order, and how many there are.
+
+    The kernel loops over exactly these: skipped tiles cost nothing, not even a branch.
+    """
+    skip = (cases == SKIP) if axis == 1 else (cases == SKIP).T
+    order = jnp.argsort(skip, axis=1, stable=True).astype(jnp.int32)  # computed tiles first
+    return order, jnp.sum(~skip, axis=1, dtype=jnp.int32)
+
+
 def attend_block(q_BKCGD, kv: KV, q_pos, q_seg, acc: Acc, *, block_q, block_kv, causal=True):
     """Folds one K/V block into the accumulators of a chunk of (already scaled, fp32) queries.
 
@@ -175,21 +188,21 @@ def attend_block(q_BKCGD, kv: KV, q_pos, q_seg, acc: Acc, *, block_q, block_kv, 
     float dtype (cast to fp32 once here) and their ``[B, Ck]`` positions / segment ids.
     """
     _, _, cq, _, _ = q_BKCGD.shape
-    ck = kv.k.shape[2]
-    nq, nk = cq // block_q, ck // block_kv
+    nq = cq // block_q
     k = kv.k.astype(jnp.float32)
     v = kv.v.astype(jnp.float32)
     cases = tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv, causal=causal)
+    order, counts = _work_lists(cases, axis=1)
 
     def q_tile(i, acc):
         qs = i * block_q
         q_t = _slice(q_BKCGD, qs, block_q, 2)
         qp_t = _slice(q_pos, qs, block_q, 1)
         qg_t = _seg_slice(q_seg, qs, block_q)
-        tile_acc = Acc(_slice(acc.o, qs, block_q, 2), _slice(acc.m, qs, block_q, 2),
-                       _slice(acc.l, qs, block_q, 2))
+        tile_acc = Acc(*(_slice(a, qs, block_q, 2) for a in acc))
 
-        def kv_tile(j, tile_acc):
+        def kv_tile(t, tile_acc):
+            j = order[i, t]
             ks = j * block_kv
             k_t = _slice(k, ks, block_kv, 2)
             v_t = _slice(v, ks, block_kv, 2)
@@ -208,10 +221,10 @@ def attend_block(q_BKCGD, kv: KV, q_pos, q_seg, acc: Acc, *, block_q, block_kv, 
                     return Acc(o, m_new, a.l * alpha + p.sum(-1))
                 return branch
 
-            return lax.switch(cases[i, j], (lambda a: a, compute(False), compute(True)), tile_acc)
+            return lax.cond(cases[i, j] == MASKED, compute(True), compute(False), tile_acc)
 
-        tile_acc = lax.fori_loop(0, nk, kv_tile, tile_acc)
-        return Acc(*(lax.dynamic_update_slice_in_dim(full, t, qs, axis=2) for full, t in zip(acc, tile_acc)))
+        tile_acc = lax.fori_loop(0, counts[i], kv_tile, tile_acc)
+        return Acc(*(lax.dynamic_update_slice_in_dim(a, t, qs, axis=2) for a, t in zip(acc, tile_acc)))
 
     return lax.fori_loop(0, nq, q_tile, acc)
 
@@ -237,12 +250,12 @@ def attend_block_bwd(q_BKCGD, kv: KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta_BK
     (still to be multiplied by the softmax scale), ``dk``/``dv`` ``[B, K, Ck, D]`` fp32
     contributions of this block (``dk`` already w.r.t. unscaled keys since ``q`` is scaled).
     """
-    _, _, cq, _, _ = q_BKCGD.shape
     ck = kv.k.shape[2]
-    nq, nk = cq // block_q, ck // block_kv
+    nk = ck // block_kv
     k = kv.k.astype(jnp.float32)
     v = kv.v.astype(jnp.float32)
     cases = tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv, causal=causal)
+    order, counts = _work_lists(cases, axis=0)
     dkv_shape = k.shape[:2] + (block_kv,) + k.shape[3:]
 
     def kv_tile(j, carry):
@@ -253,14 +266,14 @@ def attend_block_bwd(q_BKCGD, kv: KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta_BK
         kp_t = _slice(kv.pos, ks, block_kv, 1)
         kg_t = _seg_slice(kv.seg, ks, block_kv)
 
-        def q_tile(i, carry):
+        def q_tile(t, carry):
             dq, dk_t, dv_t = carry
+            i = order[j, t]
             qs = i * block_q
             q_t = _slice(q_BKCGD, qs, block_q, 2)
             do_t = _slice(do_BKCGD, qs, block_q, 2)
             lse_t = _slice(lse_BKCG, qs, block_q, 2)
             delta_t = _slice(delta_BKCG, qs, block_q, 2)
-            dq_t = _slice(dq, qs, block_q, 2)
 
             def compute(masked):
                 def branch(args):
@@ -279,12 +292,12 @@ def attend_block_bwd(q_BKCGD, kv: KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta_BK
                     return dq_t, dk_t, dv_t
                 return branch
 
-            dq_t, dk_t, dv_t = lax.switch(cases[i, j], (lambda a: a, compute(False), compute(True)),
-                                          (dq_t, dk_t, dv_t))
+            dq_t, dk_t, dv_t = lax.cond(cases[i, j] == MASKED, compute(True), compute(False),
+                                        (_slice(dq, qs, block_q, 2), dk_t, dv_t))
             return lax.dynamic_update_slice_in_dim(dq, dq_t, qs, axis=2), dk_t, dv_t
 
         zeros = _zeros(k, dkv_shape)
-        dq, dk_t, dv_t = lax.fori_loop(0, nq, q_tile, (dq, zeros, zeros))
+        dq, dk_t, dv_t = lax.fori_loop(0, counts[j], q_tile, (dq, zeros, zeros))
         return (dq, lax.dynamic_update_slice_in_dim(dk, dk_t, ks, axis=2),
                 lax.dynamic_update_slice_in_dim(dv, dv_t, ks, axis=2))
 

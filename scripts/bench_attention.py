@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--mode", default="fwd+bwd", choices=("fwd+bwd", "fwd"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--verbose", action="store_true", help="per-process wall and CPU times")
     p.add_argument("--json", default="", help="write {'rows': [...]} here")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0: pick a free one)")
     p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
@@ -139,12 +140,18 @@ def run(args):
             jax.block_until_ready(fns[layout](q, k, v, dout))
     warm_s = time.perf_counter() - t0
     times = {layout: [] for layout in layouts}
+    cpu = {layout: [] for layout in layouts}
     for _ in range(args.repeats):
         for layout in layouts:
             jax.block_until_ready(sync(token))
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             jax.block_until_ready(fns[layout](q, k, v, dout))
             times[layout].append(time.perf_counter() - t)
+            cpu[layout].append(time.process_time() - c)
+    if args.verbose:  # per process: wall time, and CPU time (the work this device did)
+        print(f"process {max(args.worker, 0)}: " + ", ".join(
+            f"{lay} wall {np.median(times[lay]):.3f} s cpu {np.median(cpu[lay]):.3f} s" for lay in layouts),
+            file=sys.stderr, flush=True)
 
     if args.worker > 0:
         return
