@@ -7,7 +7,8 @@ twice still gets an immediate stop.
 
 Handlers can only be installed from the main thread; elsewhere (a run started from a worker
 thread) the guard does nothing. With several processes the hosts must agree on the stop step,
-so there the loop asks orbax's preemption sync point instead (see ``should_stop``).
+so there no handler is installed and the loop asks the preemption sync point of
+jax.distributed (through orbax) instead, see ``should_stop``.
 """
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ class StopOnSignal:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        import jax
+        # With several processes, jax.distributed's preemption notifier owns SIGTERM and tells
+        # every process the same stop step (see should_stop); a Python handler would hide it.
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

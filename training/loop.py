@@ -124,7 +124,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         do_eval(0)
     lr_at = schedule(t)
     pending, clock, clock_step, t_first = None, None, start, time.perf_counter()
-    stopped = None
+    stopped, last = None, {}
 
     def flush(pending):
         nonlocal clock, clock_step
@@ -140,7 +140,8 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         else:
             tps = (step - clock_step) * tokens_per_step / max(now - clock, 1e-9)
             clock, clock_step = now, step
-        log.train({"step": step, "loss": float(metrics["loss"]),
+        last.update(step=step, loss=float(metrics["loss"]))
+        log.train({"step": step, "loss": last["loss"],
                    "grad_norm": float(metrics["grad_norm"]), "lr": float(lr_at(step - 1)),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / peak})
 
@@ -181,7 +182,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
 
     summary = {"workdir": str(workdir), "metrics": str(workdir / "metrics.jsonl"),
                "checkpoint": str(ckpts.path(ckpts.latest_step())), "evals": evals,
-               "start_step": start, "stopped_at": stopped}
+               "start_step": start, "stopped_at": stopped, "final_loss": last.get("loss")}
     if len(evals) >= 2:
         first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
         summary["eval_drop"] = 1 - last / first

@@ -1,0 +1,110 @@
+"""The checkpoint pieces on their own: what counts as a usable checkpoint, what is a user error
+and what is damage, where restore_from points, and the stop-on-signal guard."""
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from checkpoints.compat import CheckpointError, checker, model_mismatch
+from checkpoints.manager import Checkpoints, locate
+from checkpoints.preemption import StopOnSignal
+from training.state import TrainState
+
+CFG = ConfigDict({"keep": 5, "keep_every": 0, "async_save": False})
+
+
+def state(width=4, value=1.0):
+    return TrainState(step=jnp.int32(3), params={"w": jnp.full((width,), value)},
+                      opt_state={"mu": jnp.zeros((width,))}, bad_step=jnp.int32(-1))
+
+
+def abstract(width=4):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                       sharding=a.sharding), state(width))
+
+
+def saved(tmp_path, steps=(1, 2), meta=None):
+    ckpts = Checkpoints(tmp_path / "checkpoints", CFG, log=lambda m: None)
+    for s in steps:
+        ckpts.save(s, state(value=float(s)), {"row": s}, meta or {})
+    ckpts.wait()
+    ckpts.close()
+    return tmp_path / "checkpoints"
+
+
+def truncate_arrays(step_dir):
+    for f in (step_dir / "state" / "d").iterdir():
+        os.truncate(f, 8)
+
+
+def test_restore_newest_and_its_data_state(tmp_path):
+    d = saved(tmp_path)
+    got = Checkpoints(d, log=print).restore(abstract())
+    assert got.step == 2 and got.data == {"row": 2}
+    assert np.array_equal(got.state.params["w"], np.full(4, 2.0))
+    only = Checkpoints(d, log=print).restore_params(abstract().params, step=1)
+    assert np.array_equal(only.params["w"], np.ones(4)) and only.state is None
+
+
+def test_every_checkpoint_unreadable_is_one_error_and_nothing_moves(tmp_path):
+    d = saved(tmp_path)
+    truncate_arrays(d / "1")
+    truncate_arrays(d / "2")
+    said = []
+    with pytest.raises(CheckpointError, match=r"could be restored: step 2: .*; step 1: ") as e:
+        Checkpoints(d, CFG, log=said.append).restore(abstract())
+    assert "\n" not in str(e.value)
+    assert len(said) == 2 and all(m.startswith("checkpoint: skipping step") for m in said)
+    assert (d / "1").is_dir() and (d / "2").is_dir() and not (d / "skipped").exists()
+
+
+def test_a_shape_mismatch_is_a_user_error_not_damage(tmp_path):
+    d = saved(tmp_path)
+    with pytest.raises(CheckpointError, match=r"parameter \['w'\] of shape \(4,\) but this "
+                                              r"model's is \(6,\)"):
+        Checkpoints(d, CFG, log=print).restore(abstract(width=6))
+    assert (d / "2").is_dir() and not (d / "skipped").exists()  # not mistaken for damage
+
+
+def test_model_and_tokenizer_check_from_run_metadata(tmp_path):
+    model = {"vocab_size": 512, "d_model": 64, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 2, "head_dim": 0, "ffn_dim": 96}
+    d = saved(tmp_path, meta={"config": {"model": model}, "tokenizer": "abc"})
+    config = ConfigDict({"model": dict(model, head_dim=16)})  # the same head dim, explicit
+    assert model_mismatch(model, config.model) is None
+    got = Checkpoints(d, log=print).restore(abstract(), check=checker(config, "abc"))
+    assert got.meta["tokenizer"] == "abc" and got.meta["step"] == 2
+    config.model.num_layers = 3
+    with pytest.raises(CheckpointError, match="model.num_layers=2 in the checkpoint but 3 now"):
+        Checkpoints(d, log=print).restore(abstract(), check=checker(config, "abc"))
+    config.model.num_layers = 2
+    with pytest.raises(CheckpointError, match="trained with tokenizer abc, but this config "
+                                              "gives xyz"):
+        Checkpoints(d, log=print).restore(abstract(), check=checker(config, "xyz"))
+
+
+def test_locate_accepts_run_checkpoints_and_step_directories(tmp_path):
+    d = saved(tmp_path)
+    assert locate(tmp_path) == (d, None)
+    assert locate(d) == (d, None)
+    assert locate(d / "2") == (d, 2)
+    with pytest.raises(CheckpointError, match="no such path"):
+        locate(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoints in"):
+        locate(tmp_path / "empty")
+
+
+def test_stop_on_signal_records_then_hands_over_and_restores_handlers():
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with StopOnSignal() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and stop.name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: Python's own handler
+            os.kill(os.getpid(), signal.SIGINT)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
