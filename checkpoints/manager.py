@@ -1,7 +1,7 @@
 """An ``ocp.CheckpointManager`` wrapper: train state, data iterator state and run metadata per step.
 
 A step directory holds three items written together, asynchronously:
-  state  the TrainState (params, optimizer state, step counter, bad_step), StandardSave
+  state  the TrainState (params, optimizer state, step counter, bad_step), a PyTree
   data   the data iterator's position and identity, JSON
   meta   the run's config and tokenizer fingerprint, JSON, so that a restore can refuse a model
          or tokenizer that does not match before reading any array
@@ -9,11 +9,12 @@ There is no RNG key to save: the model has no stochastic layers, parameters come
 ``train.seed`` once, and the data order is a function of ``data.shuffle_seed`` and the data
 state, so the step counter is the only thing randomness could depend on, and it is saved.
 
-Only complete checkpoints count. Orbax 0.12.8 writes each step into ``<step>.orbax-checkpoint-tmp-*``
-and renames it after writing ``commit_success.txt`` into it, so a process killed mid-save leaves
-a tmp directory, never a step directory; those are reported and removed. A step directory that
-lacks the commit marker or fails to restore (copied half-way, truncated files) is reported and
-skipped, and the next older one is tried.
+Only complete checkpoints count. Orbax 0.12.8 writes each step into
+``<step>.orbax-checkpoint-tmp-*`` and renames it after writing ``commit_success.txt`` into it,
+so a process killed mid-save leaves a tmp directory, never a step directory; those are
+reported and removed. A step directory that lacks the commit marker or fails to restore
+(copied half-way, truncated files) is reported and skipped, and the next older one is tried;
+once one restores, the broken newer ones are moved to ``skipped/``.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     """The train state's handler: orbax's defaults, except that each array shard is written
     from one replica. Replica-parallel writing (orbax's default off GPU) slices replicated
     shards on device, and compiling those slices made the first save stall training for
-    seconds (72 programs for the tiny model); GPU runs never use it anyway."""
+    seconds (72 programs for the tiny model); orbax itself turns it off for GPUs."""
     from orbax.checkpoint._src.metadata import array_metadata_store
     th = ocp.type_handlers
     handlers = [(ty, th.get_type_handler(ty)) for ty in th.supported_types() if ty is not jax.Array]

@@ -106,7 +106,8 @@ def measure(config, args, async_save: bool) -> dict:
             "max_save_ratio": max(r["ratio"] for r in saves),
             "median_save_ratio": statistics.median(r["ratio"] for r in saves),
             "median_save_call_s": statistics.median(r["save_call_s"] for r in saves),
-            "median_after_save_ratio": statistics.median(r["ratio"] for r in after) if after else None,
+            "median_after_save_ratio":
+                statistics.median(r["ratio"] for r in after) if after else None,
             "max_after_save_ratio": max(r["ratio"] for r in after) if after else None,
             "checkpoints_on_disk": saved, "steps": records}
 

@@ -50,6 +50,17 @@ def test_restore_newest_and_its_data_state(tmp_path):
     assert np.array_equal(only.params["w"], np.ones(4)) and only.state is None
 
 
+def test_keeps_the_newest_and_the_milestones(tmp_path):
+    cfg = ConfigDict({"keep": 2, "keep_every": 4, "async_save": True})
+    ckpts = Checkpoints(tmp_path, cfg, log=print)
+    for s in range(1, 11):
+        ckpts.save(s, state(value=float(s)), {"row": s}, {})
+    ckpts.wait()
+    assert ckpts.steps() == [4, 8, 9, 10]
+    ckpts.close()
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [4, 8, 9, 10]
+
+
 def test_every_checkpoint_unreadable_is_one_error_and_nothing_moves(tmp_path):
     d = saved(tmp_path)
     truncate_arrays(d / "1")

@@ -49,7 +49,8 @@ def test_generate_greedy_matches_the_model_and_top1_sampling(run_dir, tmp_path):
     tokens[:, :len(ids)] = ids
     mesh_seq = trainer.mesh.shape["sequence"]
     perm = permutation(c.attention.layout, L, mesh_seq)
-    batch = {"tokens": tokens[:, perm], "positions": np.broadcast_to(np.arange(L), tokens.shape)[:, perm],
+    positions = np.broadcast_to(np.arange(L, dtype=np.int32), tokens.shape)
+    batch = {"tokens": tokens[:, perm], "positions": positions[:, perm],
              "segment_ids": np.ones_like(tokens)}
     logits = jax.jit(lambda p, b: nnx.merge(trainer.graphdef, p)(
         b["tokens"], b["positions"], b["segment_ids"]))(params, {
@@ -83,7 +84,8 @@ def test_eval_table_plot_and_json(run_dir, tmp_path):
     assert result["layout"] == "striped" and result["mesh"]["sequence"] == 4
 
     buckets = result["buckets"]
-    assert len(buckets) == 8 and buckets[0]["start"] == 0 and buckets[-1]["end"] == tr.config().data.seq_len
+    assert len(buckets) == 8 and buckets[0]["start"] == 0
+    assert buckets[-1]["end"] == tr.config().data.seq_len
     assert sum(b["tokens"] for b in buckets) == result["tokens"] > 0
     weighted = sum(b["loss"] * b["tokens"] for b in buckets if b["tokens"]) / result["tokens"]
     assert abs(weighted - result["loss"]) <= 1e-5 * result["loss"]

@@ -147,6 +147,8 @@ def test_broken_checkpoints_are_skipped_with_a_message(reference, interrupted):
     assert f"resuming from step {good} ({ckpt / str(good)})" in said
     assert "Traceback" not in out.stdout + out.stderr
     assert_same_losses(workdir, reference, range(good + 1, tr.STEPS + 1))
+    # The steps the stopped run had logged past the restored checkpoint are logged once only.
+    assert len((workdir / "metrics.jsonl").read_text().splitlines()) == tr.STEPS
     skipped = sorted(p.name.split("-")[0] for p in (ckpt / "skipped").iterdir())
     assert skipped == sorted([str(s), str(s + 1)])
     assert not any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())
@@ -233,3 +235,10 @@ def test_restore_onto_four_devices_contiguous(reference):
         loss, _ = jax.jit(trainer.loss)(got.state.params, batch)
         losses[name] = float(loss)
     assert abs(losses["8 striped"] - losses["4 contiguous"]) <= 1e-5 * losses["8 striped"], losses
+
+
+def test_a_checkpoint_past_train_steps_is_one_line(reference):
+    from training.loop import run
+    with pytest.raises(CheckpointError, match=f"at step {tr.STEPS}, past train.steps=20"):
+        run(tr.config(**{"train.steps": 20}), reference)
+    assert json.loads((reference / "config.json").read_text())["train"]["steps"] == tr.STEPS

@@ -8,6 +8,7 @@ import time
 
 import jax
 
+from checkpoints.compat import CheckpointError
 from checkpoints.manager import Checkpoints
 from checkpoints.preemption import StopOnSignal, should_stop
 from checkpoints.resume import run_meta, start_state
@@ -86,6 +87,9 @@ def run(config, workdir: pathlib.Path) -> dict:
     try:
         ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint, log=log.write)
         start, state = start_state(config, trainer, pipe, ckpts, log.write)
+        if start > t.steps:
+            raise CheckpointError(f"the checkpoint to continue from is at step {start}, past "
+                                  f"train.steps={t.steps}; raise --config.train.steps to go on")
         # Only now, with the checkpoint found to fit this config, is the config recorded.
         write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint)
         meta = run_meta(config, pipe.fingerprint, mesh)
@@ -186,7 +190,8 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     if len(evals) >= 2:
         first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
         summary["eval_drop"] = 1 - last / first
-        log.write(f"held-out loss {first:.3f} -> {last:.3f} ({100 * (1 - last / first):.0f}% lower)")
+        log.write(f"held-out loss {first:.3f} -> {last:.3f} "
+                  f"({100 * (1 - last / first):.0f}% lower)")
     log.write(f"run directory: {workdir}\n  metrics:    {summary['metrics']}\n"
               f"  checkpoint: {summary['checkpoint']}")
     return summary
