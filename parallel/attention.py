@@ -18,7 +18,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -135,10 +134,6 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
 # ----------------------------------------------------------------------------- custom VJP
 
 
-def _ring_attention(q, k, v, positions, segment_ids, ring):
-    return _cp(q, k, v, positions, segment_ids, ring)
-
-
 def _explicit_axes(mesh):
     types = getattr(mesh, "axis_types", ())
     return any(t == jax.sharding.AxisType.Explicit for t in types)
@@ -168,8 +163,8 @@ def _cp_primal(q, k, v, positions, segment_ids, ring):
     return _reshard(_forward(q, k, v, positions, segment_ids, ring)[0], q, ring)
 
 
-_cp = jax.custom_vjp(_cp_primal, nondiff_argnums=(5,))
-_cp.defvjp(_cp_fwd_rule, _cp_bwd_rule)
+_ring_attention = jax.custom_vjp(_cp_primal, nondiff_argnums=(5,))
+_ring_attention.defvjp(_cp_fwd_rule, _cp_bwd_rule)
 
 
 # ----------------------------------------------------------------------------- per-device ring

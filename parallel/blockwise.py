@@ -16,9 +16,8 @@ the query-head group folded into the rows, and K/V are never repeated for GQA):
 Skipped tiles are never visited: per q tile (per kv tile in the backward) the kernel builds,
 at run time, the list of tiles to compute and loops over exactly those with a dynamic trip
 count; ``lax.cond`` then picks the masked or unmasked body. Nothing is unrolled, so the code
-size does not grow with the number of tiles, and since the lists come from runtime positions
-XLA cannot fold the decisions into compile-time constants (on XLA CPU a conditional with a
-constant predicate is no cheaper than its expensive branch).
+size does not grow with the number of tiles, and skipping never depends on XLA resolving a
+conditional at compile time.
 """
 from __future__ import annotations
 

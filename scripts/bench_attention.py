@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=256, help="block_q = block_kv tile size")
+    p.add_argument("--block", type=int, default=128, help="block_q = block_kv tile size")
     p.add_argument("--stripe", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--mode", default="fwd+bwd", choices=("fwd+bwd", "fwd"))
