@@ -141,6 +141,9 @@ def _called(ins: Instr) -> list[tuple[str, int]]:
         trip = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', a)
         return [(body.group(1), int(trip.group(1)) if trip else 1)] if body else []
     out = []
+    if ins.opcode == "call":  # a call names its callee to_apply, like a reducer does
+        m = re.search(r"to_apply=%?([\w.\-]+)", a)
+        out += [(m.group(1), 1)] if m else []
     for key in ("calls", "true_computation", "false_computation"):
         for m in re.finditer(key + r"=%?([\w.\-]+)", a):
             out.append((m.group(1), 1))

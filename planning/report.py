@@ -59,17 +59,18 @@ def markdown(plan: dict) -> str:
         hw_mem = plan["hardware_memory_bytes"]
         lines += ["", f"### Memory per device (compiled step; fits = total <= "
                       f"{plan['usable_fraction']:.0%} of {_gib(hw_mem)})", "",
-                  "| remat | params | optimizer | batch | temporaries | outputs not aliased "
-                  "| total | of device | fits |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| remat | arguments (params + optimizer + batch) | temporaries "
+                  "| outputs not aliased | total | of device | fits |",
+                  "|---|---|---|---|---|---|---|"]
         for r, mem in plan["memory"].items():
             tag = " (est.)" if mem.get("estimated") else ""
-            host = f", +{_gib(mem['host_temporaries'])} host" if mem.get("host_temporaries") else ""
+            host = f" (+{_gib(mem['host_temporaries'])} host)" if mem.get("host_temporaries") else ""
             lines.append(
-                f"| {r}{tag}{' *' if r == plan['remat'] else ''} | {_gib(mem['params'])} | "
-                f"{_gib(mem['optimizer'])} | {_gib(mem['batch'])} | {_gib(mem['temporaries'])}{host} | "
-                f"{_gib(mem['outputs'] - mem['aliased'])} | {_gib(mem['total'])} | "
-                f"{mem['total'] / hw_mem:.0%} | {'yes' if mem['fits'] else 'NO'} |")
+                f"| {r}{tag}{' *' if r == plan['remat'] else ''} | {_gib(mem['arguments'])} "
+                f"({_gib(mem['params'])} + {_gib(mem['optimizer'])} + {_gib(mem['batch'])}) | "
+                f"{_gib(mem['temporaries'])}{host} | {_gib(mem['outputs'] - mem['aliased'])} | "
+                f"{_gib(mem['total'])} | {mem['total'] / hw_mem:.0%} | "
+                f"{'yes' if mem['fits'] else 'NO'} |")
         comp = plan.get("compile", {})
         if comp:
             lines += ["", "Compiled on simulated CPU devices: " + ", ".join(
@@ -117,3 +118,23 @@ def markdown(plan: dict) -> str:
 def to_json(plan: dict) -> str:
     return json.dumps({k: v for k, v in plan.items() if not k.startswith("_")}, indent=2,
                       default=float) + "\n"
+
+
+def sweep_table(plans: list[dict], hardware_memory: dict[str, int], usable: float) -> str:
+    """One row per plan: memory per device and whether it fits on each named memory size."""
+    names = list(hardware_memory)
+    head = ("| model | seq_len | devices | mesh | memory / device | "
+            + " | ".join(f"fits {n}" for n in names)
+            + " | step, striped (contiguous) | MFU bound, striped | compile |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in plans:
+        mesh = ",".join(f"{k}={v}" for k, v in p["mesh"].items() if v != 1) or "1 device"
+        fits = " | ".join("yes" if p["memory_per_device_bytes"] <= usable * b else "no"
+                          for b in hardware_memory.values())
+        s, c = p["layouts"]["striped"], p["layouts"]["contiguous"]
+        comp = sum(x["compile_s"] + x["lower_s"] for x in p["compile"].values())
+        lines.append(f"| {p['config']} | {p['seq_len']:,} | {p['num_devices']} | {mesh} | "
+                     f"{_gib(p['memory_per_device_bytes'])} | {fits} | "
+                     f"{_seconds(s['projected_step_s'])} ({_seconds(c['projected_step_s'])}) | "
+                     f"{s['mfu_bound']:.0%} | {comp:.0f} s |")
+    return "\n".join(lines) + "\n"
