@@ -22,11 +22,16 @@ def main_with_errors(config, workdir, coordinator=None, num_processes=None,
         return 2
     from training.loop import Diverged, run
     try:
-        run(config, workdir)
+        summary = run(config, workdir)
     except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    import jax
+    if jax.process_count() > 1 and summary.get("final_loss") is not None:
+        # Every process reports: a launcher (and its test) can check that they agree.
+        print(f"process {jax.process_index()}/{jax.process_count()}: final loss "
+              f"{summary['final_loss']:.6f}", flush=True)
     return 0
