@@ -59,16 +59,8 @@ class AttentionBackend:
     def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL):
         if self.impl == "ring":
             from parallel.attention import context_parallel_attention
-            B, L = q_BLHD.shape[:2]
-            positions_BL = jnp.broadcast_to(self.natural_index(L), (B, L))
-            # Positions are the same in every layer: without the barrier, differentiating the
-            # layer scan hoists everything computed from them alone (the tile masks of every
-            # round, [N-1, nq, nk, B, K, bq, G, bk]) out of the scan and keeps it for the whole
-            # step: 24 of the 33 GB per device of 7B at 32k on 8x8 (scripts/plan.py).
-            q_BLHD, k_BLKD, v_BLKD, positions_BL, segment_ids_BL = jax.lax.optimization_barrier(
-                (q_BLHD, k_BLKD, v_BLKD, positions_BL, segment_ids_BL))
             return context_parallel_attention(
-                q_BLHD, k_BLKD, v_BLKD, mesh=self.mesh, layout=self.layout, positions=positions_BL,
+                q_BLHD, k_BLKD, v_BLKD, mesh=self.mesh, layout=self.layout, positions=None,
                 segment_ids=segment_ids_BL, stripe=self.stripe, block_q=self.block_q,
                 block_kv=self.block_kv)
         from parallel.blockwise import dense_attention
