@@ -123,6 +123,17 @@ def test_doubling_sequence_axis_halves_activation_memory(tiny_plan):
     assert ring4["params"] == ring2.params  # params split over fsdp only, same in both
 
 
+def test_memory_grows_linearly_with_sequence_length(tiny_plan):
+    """Blockwise attention keeps no [C, C] scores: twice the tokens, about twice the
+    temporaries. (A kernel whose per-round tile masks got hoisted out of the layer scan as
+    residuals, as an earlier one did, grows about 3x here: they scale with C^2.)"""
+    plan1k, _ = tiny_plan
+    config = planned_config(importlib.import_module("configs.tiny").get_config(), 2048, 8,
+                            {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, "none")
+    doubled = compile_step(config, jax.devices()).memory
+    assert doubled.temporaries < 2.4 * plan1k["memory"]["none"]["temporaries"]
+
+
 def test_collectives_are_counted_per_loop_iteration_in_the_accelerator_dtype():
     """A bf16 ring shift inside a 5-round loop, inside a 3-step scan: 15 transfers per call."""
     mesh = jax.make_mesh((4,), ("ring",), devices=jax.devices()[:4])
