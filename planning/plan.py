@@ -133,6 +133,14 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
     for r in memory:
         memory[r]["fits"] = memory[r]["total"] <= usable
     plan["memory"] = {r: memory[r] for r in remats}
+    replicated = _state_replicated_over(mesh_sizes)
+    if replicated:
+        mem = memory[to_compile[0]]
+        plan["notes"].append(
+            f"parameters and optimizer state are replicated over {' x '.join(replicated)} "
+            f"(parallel/mesh.py RULES shard them over {', '.join(_state_axes()) or 'nothing'}): every "
+            f"device holds {(mem['params'] + mem['optimizer']) / 2**30:.2f} GiB of them, plus "
+            f"{mem['params'] / 2**30:.2f} GiB of fp32 gradients during the step")
     plan["memory_per_device_bytes"] = memory[primary]["total"]
     plan["fits"] = memory[primary]["fits"]
     plan["compile"] = compile_times
@@ -152,6 +160,21 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
     plan["step_time_by_remat"] = step_by_remat
     plan["_programs"] = programs  # not serialised: lets callers run what was compiled
     return plan
+
+
+def _state_axes() -> list[str]:
+    """Mesh axes that the sharding rules split parameters over."""
+    from parallel.mesh import AXES, RULES
+    used = set()
+    for logical, axes in RULES.items():
+        if logical in ("batch", "length") or axes is None:
+            continue
+        used.update(axes if isinstance(axes, tuple) else (axes,))
+    return [a for a in AXES if a in used]
+
+
+def _state_replicated_over(mesh_sizes: dict) -> list[str]:
+    return [f"{a}={s}" for a, s in mesh_sizes.items() if s > 1 and a not in _state_axes()]
 
 
 def abstract_param_count(m) -> int:
