@@ -13,9 +13,10 @@ import pathlib
 import re
 import sys
 
-AXES = ("data", "fsdp", "sequence", "tensor")
-HARDWARE = ("h100", "a100", "h200", "tpu-v4", "v5e")
-LAYOUTS = ("contiguous", "striped", "zigzag")
+from parallel.layouts import LAYOUTS  # numpy only
+from planning.hardware import HARDWARE
+
+AXES = ("data", "fsdp", "sequence", "tensor")  # parallel.mesh.AXES; that module imports jax
 
 
 class UsageError(ValueError):
@@ -38,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1,
                    help="sequences per data x fsdp group (each ring's batch); the global batch "
                         "is this times data x fsdp")
-    p.add_argument("--hardware", required=True, choices=HARDWARE)
+    p.add_argument("--hardware", required=True, choices=list(HARDWARE))
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list to project")
     p.add_argument("--remat", default=None,
                    help="none | attention | full | offload, a comma list, or all (default: "

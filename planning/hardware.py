@@ -51,12 +51,6 @@ HARDWARE = {
 USABLE_FRACTION = 0.9
 
 
-def get(name: str) -> Hardware:
-    if name not in HARDWARE:
-        raise KeyError(f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE)}")
-    return HARDWARE[name]
-
-
 def link_bandwidth(hw: Hardware, crosses_nodes: bool) -> float:
     """Bandwidth one way for a collective whose groups stay in a node or cross nodes."""
     if crosses_nodes and hw.node_size:

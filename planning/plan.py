@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 
+from model.decoder import REMAT as REMATS
 from planning import collectives as coll
 from planning import hardware as hwlib
 from planning import step_time
-
-REMATS = ("none", "attention", "full", "offload")
 
 
 class PlanError(ValueError):
@@ -58,7 +57,9 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
     from model.flops import attention_flops_per_token, flops_per_token, matmul_params, param_count
     from planning.program import compile_step, planned_config
 
-    hw = hwlib.get(hardware)
+    if hardware not in hwlib.HARDWARE:
+        raise PlanError(f"unknown hardware {hardware!r}; choose one of {', '.join(hwlib.HARDWARE)}")
+    hw = hwlib.HARDWARE[hardware]
     remats = resolve_remats(remat, config.model.remat)
     primary = config.model.remat if config.model.remat in remats else remats[0]
     layouts = list(layouts)
