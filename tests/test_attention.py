@@ -238,6 +238,42 @@ def test_explicit_mesh_under_scan_and_grad(rng):
     assert rel_err(gw, ww) < 1e-5
 
 
+# ----------------------------------------------------------------------------- ring traffic
+
+
+def ppermute_hops(jaxpr, mult=1):
+    """{(dtype, shape): transfers} over a jaxpr, loops (scans) counted by their trip count."""
+    hops = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            for var in eqn.invars:
+                key = (str(var.aval.dtype), tuple(var.aval.shape))
+                hops[key] = hops.get(key, 0) + mult
+        inner = mult * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    for key, count in ppermute_hops(sub, inner).items():
+                        hops[key] = hops.get(key, 0) + count
+    return hops
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_traffic(n):
+    """Forward: K/V (Hkv heads only, input dtype) make N-1 hops, none wasted after the last
+    round. Backward: K/V again N-1 hops, fp32 dK/dV N hops (home)."""
+    q = jnp.zeros((1, 8 * n, 4, D), jnp.bfloat16)
+    kv = jnp.zeros((1, 8 * n, 1, D), jnp.bfloat16)
+    f = lambda q, k, v: context_parallel_attention(q, k, v, mesh=ring_mesh(n), layout="striped", block_q=4)
+    fwd = ppermute_hops(jax.make_jaxpr(f)(q, kv, kv).jaxpr)
+    both = ppermute_hops(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, kv, kv).jaxpr)
+    block = (1, 1, 8, D)  # [B, Hkv, chunk, D] per device
+    assert fwd == {("bfloat16", block): 2 * (n - 1), ("int32", (1, 8)): n - 1}
+    bwd = {key: both[key] - fwd.get(key, 0) for key in both}
+    assert bwd == {("bfloat16", block): 2 * (n - 1), ("int32", (1, 8)): n - 1, ("float32", block): 2 * n}
+
+
 # ----------------------------------------------------------------------------- rows with no key yet
 
 
