@@ -2,21 +2,13 @@
 
 Run on a GPU/TPU host, e.g. 8 devices in a ring of 8:
   python train.py --config configs/llama_7b.py --config.mesh.sequence=8 --config.mesh.fsdp=-1 \
-      --config.data.seq_len=262144 --config.attention.layout=striped
-Plan it first on this machine: python scripts/plan.py --config configs/llama_7b.py ...
+      --config.data.seq_len=262144 --config.data.batch_size=1 --config.attention.layout=striped
+Plan it first on this machine:
+  python scripts/plan.py --config configs/llama_7b.py --mesh sequence=8 --seq-len 262144 --batch 1 --hardware h100
 Shows: tokens/s and MFU per logged step; compare layouts with scripts/compare_layouts.py.
 """
-from configs import base
+from configs.llama import llama_config
 
 
 def get_config():
-    c = base.get_config()
-    c.name = "llama_7b"
-    c.model.update(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
-                   ffn_dim=11008, remat="full", dtype="auto")
-    c.attention.update(impl="ring", layout="striped", block_q=1024, block_kv=1024)
-    c.mesh.update(data=1, fsdp=-1, sequence=1, tensor=1)
-    c.data.update(seq_len=32768, batch_size=8)
-    c.train.update(steps=10000, lr=3e-4, warmup_steps=500, log_every=10)
-    c.checkpoint.update(every=500, keep=3)
-    return c
+    return llama_config("llama_7b", layers=32, d_model=4096, ffn_dim=11008, heads=32)
