@@ -30,7 +30,6 @@ import numpy as np
 from jax import lax
 
 SKIP, FULL, MASKED = 0, 1, 2
-CASE_NAMES = ("skip", "full", "masked")
 
 # Finite, so that exp(m_old - m_new) of a row that has seen no key is exp(0) = 1 times an
 # all-zero accumulator instead of exp(-inf - -inf) = NaN; masked scores use -inf so that
