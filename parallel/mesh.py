@@ -15,7 +15,10 @@ RULES = {
     "batch": ("data", "fsdp"),
     "length": "sequence",
     "vocab": "tensor",
-    "embed": "fsdp",
+    # Parameters and optimizer state are split over every axis that splits the batch or the
+    # sequence (ZeRO-3 over data-parallel and context-parallel devices alike): a ring of 64
+    # devices would otherwise hold a full copy of the 7B state on each of them.
+    "embed": ("fsdp", "sequence"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -77,13 +80,17 @@ def logical_to_spec(axes, ndim: int | None = None) -> P:
 
 
 def fit_spec(spec: P, shape, mesh: Mesh) -> P:
-    """Drops mesh axes from dims they do not divide (a 4-row table cannot split 8 ways)."""
+    """Keeps, per dim, the leading mesh axes whose product divides it (a 4-row table cannot
+    split 8 ways, but it can still split over the first 2-way axis)."""
     out = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
         names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        names = tuple(n for n in names if mesh.shape[n] > 1)
-        size = math.prod(mesh.shape[n] for n in names)
-        out.append(None if not names or dim % size else (names if len(names) > 1 else names[0]))
+        kept, size = [], 1
+        for n in names:
+            if mesh.shape[n] > 1 and dim % (size * mesh.shape[n]) == 0:
+                kept.append(n)
+                size *= mesh.shape[n]
+        out.append(None if not kept else (tuple(kept) if len(kept) > 1 else kept[0]))
     return P(*out)
 
 

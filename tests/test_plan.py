@@ -120,7 +120,8 @@ def test_doubling_sequence_axis_halves_activation_memory(tiny_plan):
     ring2 = compile_step(config, jax.devices()[:4]).memory
     ring4 = plan4["memory"]["none"]
     assert ring4["temporaries"] < 0.65 * ring2.temporaries
-    assert ring4["params"] == ring2.params  # params split over fsdp only, same in both
+    # Params are split over fsdp x sequence (ZeRO-3 over the ring too): twice the ring, half.
+    assert ring4["params"] < 0.55 * ring2.params
 
 
 def test_memory_grows_linearly_with_sequence_length(tiny_plan):
