@@ -178,6 +178,10 @@ def _shift(tree, ring):
 
 
 def _forward(q, k, v, positions, segment_ids, ring: _Ring):
+    # Positions (often constants) are the same in every layer: without tying them to q/k/v,
+    # autodiff through a remat'd layer scan treats everything computed from them alone
+    # (tile cases, masks) as known, and would hoist it out of the scan as stacked residuals.
+    q, k, v, positions, segment_ids = lax.optimization_barrier((q, k, v, positions, segment_ids))
     specs = _fwd_specs(ring, segment_ids is not None)
     return _forward_program(ring, segment_ids is not None)(
         *(_reshard(x, s, ring) for x, s in zip((q, k, v, positions, segment_ids), specs)))

@@ -238,6 +238,30 @@ def test_explicit_mesh_under_scan_and_grad(rng):
     assert rel_err(gw, ww) < 1e-5
 
 
+def test_no_quadratic_residuals_under_remat_scan_grad():
+    """Differentiating a remat'd layer scan must not hoist per-tile masks (computed from the
+    constant positions alone) out of the scan as residuals: temporaries grow ~linearly in L."""
+    mesh = ring_mesh(4)
+    hq, layers = 2, 2
+
+    def temporaries(length):
+        def model(x, w):
+            def layer(h, w_l):
+                qkv = (h @ w_l).reshape(1, length, 3 * hq, D)
+                o = context_parallel_attention(qkv[:, :, :hq], qkv[:, :, hq:2 * hq], qkv[:, :, 2 * hq:],
+                                               mesh=mesh, layout="striped", block_q=8, block_kv=8)
+                return h + o.reshape(1, length, hq * D), None
+            return jnp.sum(jax.lax.scan(jax.checkpoint(layer), x, w)[0])
+
+        x = jax.ShapeDtypeStruct((1, length, hq * D), jnp.float32,
+                                 sharding=NamedSharding(mesh, P(None, "sequence")))
+        w = jax.ShapeDtypeStruct((layers, hq * D, 3 * hq * D), jnp.float32)
+        compiled = jax.jit(jax.grad(model, (0, 1))).lower(x, w).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temporaries(1024) < 2.5 * temporaries(512)
+
+
 # ----------------------------------------------------------------------------- ring traffic
 
 
