@@ -76,7 +76,9 @@ def layout_config(base, layout: str, seq_len: int, devices: int, args):
     c.attention.update(impl="ring", layout=layout)
     c.attention.block_q = c.attention.block_kv = tile(seq_len // devices, args.block)
     c.mesh.update(data=1, fsdp=1, sequence=devices, tensor=1)
-    c.data.update(seq_len=seq_len, batch_size=args.batch, heldout_fraction=0.01)
+    # Batches are fetched outside the timed region; a prefetch thread would only steal the
+    # pinned core from the step being timed (seen: it made the layouts' medians erratic).
+    c.data.update(seq_len=seq_len, batch_size=args.batch, heldout_fraction=0.01, prefetch=0)
     c.train.update(steps=args.warmup + args.steps, warmup_steps=0)
     return c
 
