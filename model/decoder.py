@@ -53,7 +53,14 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BL, positions_BL, segment_ids_BL):
         """Logits [B, L, V] in fp32, in the batch's token layout."""
-        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(self.dtype)
+        embed_VD = self.embed[...]
+        if self.act_sharding is not None:
+            # Gather the (fsdp x sequence)-sharded table whole first, as FSDP does for every
+            # weight: a lookup straight from a table split along D has no efficient
+            # partitioning into the batch x length layout and XLA would replicate it anyway.
+            embed_VD = jax.lax.with_sharding_constraint(
+                embed_VD, jax.sharding.NamedSharding(self.act_sharding.mesh, jax.sharding.PartitionSpec()))
+        x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(self.dtype)
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(x_BLD, layer_state):
