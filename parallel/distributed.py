@@ -36,6 +36,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
+def simulate_cpu_devices(n: int) -> None:
+    """Asks XLA for ``n`` simulated CPU devices unless the caller already chose a count. Must
+    run before jax is imported (XLA reads the flag once)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

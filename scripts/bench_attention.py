@@ -20,18 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# XLA CPU has no intra-op thread-count flag; Eigen's pool is turned off here and the pool of
-# XLA's own runtime sizes itself from the CPU affinity, which taskset sets to one core.
-ONE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+from parallel.distributed import initialize, simulate_cpu_devices, spawn_local  # noqa: E402
+
 
 
 def parse_args(argv=None):
@@ -53,43 +49,18 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--verbose", action="store_true", help="per-process wall and CPU times")
     p.add_argument("--json", default="", help="write {'rows': [...]} here")
-    p.add_argument("--port", type=int, default=0, help="coordinator port (0: pick a free one)")
-    p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args, argv):
-    """Parent of a multi-process run: spawns pinned workers, relays worker 0's output."""
-    port = args.port or _free_port()
-    cores = os.sched_getaffinity(0)
-    if len(cores) < args.processes:
-        print(f"warning: {args.processes} processes on {len(cores)} cores; timings will overlap",
-              file=sys.stderr)
-    cores = sorted(cores)
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + ONE_THREAD_FLAGS).strip(),
-               JAX_PLATFORMS="cpu")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    procs = []
-    for i in range(args.processes):
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", str(i), "--port", str(port)]
-        if shutil.which("taskset"):
-            cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=None if i == 0 else subprocess.DEVNULL))
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        sys.exit(f"worker exit codes {codes}")
+    # Set by parallel.distributed.spawn_local on the processes it starts.
+    p.add_argument("--coordinator", help=argparse.SUPPRESS)
+    p.add_argument("--num_processes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--process_id", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.worker = -1 if args.process_id is None else args.process_id
+    return args
 
 
 def run(args):
     if args.worker < 0 and args.processes == 1 and args.devices:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.devices}").strip()
+        simulate_cpu_devices(args.devices)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -98,9 +69,7 @@ def run(args):
     from parallel.attention import context_parallel_attention
 
     if args.worker >= 0:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
-                                   process_id=args.worker)
+        initialize(args.coordinator, args.num_processes, args.process_id)
         devices = jax.devices()
     else:
         devices = jax.devices()[: args.devices or None]
@@ -181,7 +150,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.processes > 1 and args.worker < 0:
-        launch(args, argv)
+        sys.exit(spawn_local([os.path.abspath(__file__), *argv], args.processes,
+                             quiet_followers=not args.verbose))
     else:
         run(args)
 

@@ -24,9 +24,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+
+from parallel.distributed import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)  # before jax is imported
 
 H100_BF16_PEAK = 989e12
 MFU = 0.5

@@ -183,10 +183,9 @@ def main(argv=None):
         from parallel.distributed import spawn_local
         argv = [os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]), "--worker"]
         sys.exit(spawn_local(argv, args.processes, quiet_followers=True))
+    from parallel.distributed import initialize, simulate_cpu_devices
     if args.processes == 1 and args.devices:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
-    from parallel.distributed import initialize
+        simulate_cpu_devices(args.devices)
     initialize(args.coordinator, args.num_processes, args.process_id)
     import jax
     rows = measure(args)
