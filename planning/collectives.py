@@ -54,7 +54,7 @@ class Collective:
 def _matching(s: str, i: int) -> int:
     """Index just past the bracket that closes the one at ``s[i]``."""
     pairs = {"(": ")", "{": "}", "[": "]"}
-    depth, want = 0, []
+    want = []
     for j in range(i, len(s)):
         c = s[j]
         if c in pairs:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from model.decoder import DTYPES, REMAT
 from parallel.layouts import LAYOUTS, LayoutError, check as check_layout
-from parallel.mesh import AXES, MeshError, mesh_shape
+from parallel.mesh import MeshError, mesh_shape
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
 IMPLS = ("ring", "dense")
