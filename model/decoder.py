@@ -84,4 +84,4 @@ class Decoder(nnx.Module):
 def backend_from_config(config, mesh=None) -> AttentionBackend:
     a = config.attention
     return AttentionBackend(impl=a.impl, layout=a.layout, stripe=a.stripe, block_q=a.block_q,
-                            block_kv=a.block_kv, mesh=mesh)
+                            block_kv=a.block_kv, mesh=mesh, document_mask=bool(a.document_mask))

@@ -49,6 +49,7 @@ class AttentionBackend:
     block_q: int = 512
     block_kv: int = 512
     mesh: Mesh | None = None
+    document_mask: bool = True  # False: segment ids are ignored (causal over the whole row)
 
     def natural_index(self, seq_len: int):
         """True token index of each slot in layout order: the attention mask's positions."""
@@ -57,6 +58,8 @@ class AttentionBackend:
         return jnp.asarray(permutation(self.layout, seq_len, shards, self.stripe))
 
     def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL):
+        if not self.document_mask:
+            segment_ids_BL = None
         if self.impl == "ring":
             from parallel.attention import context_parallel_attention
             return context_parallel_attention(

@@ -1,8 +1,8 @@
 """Work accounting of ring attention: tiles computed per device per round, per layout.
 
 Uses the kernel's own tile predicate (``parallel.blockwise.tile_case``) on the true positions
-each device holds, so these counts are exactly the (q tile, kv tile) pairs the kernel computes
-for causal attention without packed documents. A ring round takes as long as its busiest
+each device holds, so these counts are exactly the (q tile, kv tile) pairs the kernel computes,
+for causal attention with or without the packed-document mask. A ring round takes as long as its busiest
 device, so the critical path is the sum over rounds of the per-round maximum.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from parallel.blockwise import MASKED, SKIP, tile_case
+from parallel.blockwise import FULL, MASKED, SKIP, tile_case
 from parallel.layouts import check, permutation
 
 
@@ -44,25 +44,45 @@ class Work:
         return self.total / self.num_shards / self.critical_path
 
 
-def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1) -> Work:
+def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1,
+         segment_ids=None) -> Work:
     """Per-device, per-round tile counts of causal ring attention with square tiles of ``block``.
 
     Round ``r``: device ``d`` holds its own queries and the K/V block of device ``d - r mod N``.
+    ``segment_ids [B, L]`` (natural order, as packed) restrict attention to each document, as
+    the kernel does with the document mask on; the batch's rows share one tile schedule, so a
+    pair is skipped only when it is skipped in every row. None: plain causal attention.
     """
     check(layout, seq_len, num_shards, stripe)
     n, chunk = num_shards, seq_len // num_shards
     if block < 1 or chunk % block:
         raise ValueError(f"block={block} does not divide the per-device chunk of {chunk} tokens "
                          f"(seq_len {seq_len} / {n} shards)")
-    pos = permutation(layout, seq_len, n, stripe).reshape(n, chunk // block, block)
+    perm = permutation(layout, seq_len, n, stripe)
+    pos = perm.reshape(n, chunk // block, block)
     lo, hi = pos.min(-1), pos.max(-1)  # [device, tile]
     d = np.arange(n)
     src = (d[None, :] - d[:, None]) % n  # [round, device] -> device whose K/V block it holds
+    seg = () if segment_ids is None else _segment_ranges(segment_ids, perm, src, n, block)
     case = tile_case(lo[None, :, :, None], hi[None, :, :, None],
-                     lo[src][:, :, None, :], hi[src][:, :, None, :], causal=True)
+                     lo[src][:, :, None, :], hi[src][:, :, None, :], *seg, causal=True)
+    if case.ndim == 5:  # [row, round, device, q tile, kv tile]: combine the rows
+        case = np.where((case == SKIP).all(0), SKIP, np.where((case == FULL).all(0), FULL, MASKED))
     tiles = (case != SKIP).sum(axis=(-2, -1))
     masked = (case == MASKED).sum(axis=(-2, -1))
     return Work(layout, seq_len, n, block, stripe, tiles, masked)
+
+
+def _segment_ranges(segment_ids, perm, src, n, block):
+    """Per-row segment id ranges of the query tiles ``[B, 1, device, tile, 1]`` and of the
+    kv tiles held in each round ``[B, round, device, 1, tile]``."""
+    seg = np.asarray(segment_ids)
+    if seg.ndim != 2 or seg.shape[1] != perm.size:
+        raise ValueError(f"segment_ids must be [B, {perm.size}], got {seg.shape}")
+    tiles = seg[:, perm].reshape(seg.shape[0], n, -1, block)
+    lo, hi = tiles.min(-1), tiles.max(-1)  # [row, device, tile]
+    return (lo[:, None, :, :, None], hi[:, None, :, :, None],
+            lo[:, src][:, :, :, None, :], hi[:, src][:, :, :, None, :])
 
 
 def ideal_speedup(num_shards: int) -> float:

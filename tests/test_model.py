@@ -111,3 +111,19 @@ def test_packed_document_sees_only_itself():
     got = model(packed, pos, seg)[:, 10:]
     alone = model(b, jnp.arange(14)[None], jnp.ones((1, 14), jnp.int32))
     np.testing.assert_allclose(np.asarray(got), np.asarray(alone), rtol=1e-5, atol=1e-5)
+
+
+def test_document_mask_off_attends_across_documents():
+    """document_mask=False ignores segment ids: the second packed document then sees the first
+    (its logits equal those of the row as one segment and differ from the masked ones)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    masked = make_model(AttentionBackend(document_mask=True), seed=seed)
+    open_ = make_model(AttentionBackend(document_mask=False), seed=seed)
+    rng = np.random.default_rng()
+    tok = random_tokens(rng, 2, 24)
+    pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(10), jnp.arange(14)]), (2, 24))
+    seg = jnp.asarray([[1] * 10 + [2] * 14] * 2, jnp.int32)
+    got = np.asarray(open_(tok, pos, seg))
+    one_doc = np.asarray(masked(tok, pos, jnp.ones_like(seg)))
+    np.testing.assert_allclose(got, one_doc, rtol=1e-6, atol=1e-6)
+    assert np.abs(got[:, 10:] - np.asarray(masked(tok, pos, seg))[:, 10:]).max() > 1e-3

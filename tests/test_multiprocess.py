@@ -2,8 +2,13 @@
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+
+import pytest
+
+from parallel.schedule import work
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
@@ -41,10 +46,12 @@ def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
     assert "attention.layout='spiral' is not one of" in proc.stdout
 
 
-def test_compare_layouts_writes_all_layouts(tmp_path):
+@pytest.mark.parametrize("mask", ["off", "on"])
+def test_compare_layouts_writes_all_layouts(tmp_path, mask):
     out = tmp_path / "cmp"
     cmd = [sys.executable, "scripts/compare_layouts.py", "--processes", "1", "--devices", "4",
            "--seq-lens", "256", "--steps", "2", "--warmup", "1", "--out", str(out),
+           "--block", "16", "--document-mask", mask,
            "--set", "data.max_docs=120", "--set", "model.vocab_size=512",
            "--set", f"data.cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
@@ -59,5 +66,18 @@ def test_compare_layouts_writes_all_layouts(tmp_path):
     losses = [r["final_loss"] for r in rows]
     assert max(losses) - min(losses) < 1e-4 * max(losses)
     assert [r["speedup_vs_contiguous"] for r in rows if r["layout"] == "contiguous"] == [1.0]
+    assert all(r["document_mask"] == (mask == "on") and r["block"] == 16 for r in rows)
+    tile_model = {r["layout"]: r["tile_model_speedup"] for r in rows}
+    if mask == "off":  # every step has the same schedule: exactly the closed-form ratio
+        cp = {lay: work(lay, 256, 4, 16).critical_path for lay in tile_model}
+        assert tile_model == {lay: cp["contiguous"] / cp[lay] for lay in tile_model}
+    else:  # each step's own document boundaries only ever remove tiles
+        for r in rows:
+            assert len(r["tile_critical_paths"]) == 2
+            assert all(0 < t <= work(r["layout"], 256, 4, 16).critical_path
+                       for t in r["tile_critical_paths"])
+            ref = next(x for x in rows if x["layout"] == "contiguous")["tile_critical_paths"]
+            assert tile_model[r["layout"]] == statistics.median(
+                a / b for a, b in zip(ref, r["tile_critical_paths"]))
     assert "| 256 | striped |" in (out / "results.md").read_text()
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"

@@ -115,3 +115,49 @@ def test_large_ring_is_fast():
 def test_bad_block_is_rejected():
     with pytest.raises(ValueError, match="block=3 does not divide the per-device chunk of 16 tokens"):
         work("striped", 32, 2, 3)
+
+
+def random_packed_segments(rng, rows, seq_len):
+    """Natural-order segment ids as packing makes them: documents 1.. of random lengths, then
+    sometimes padding (0) at the end of a row."""
+    seg = np.zeros((rows, seq_len), np.int32)
+    for row in seg:
+        end = seq_len - int(rng.integers(0, seq_len // 4)) * int(rng.integers(0, 2))
+        cuts = np.sort(rng.choice(np.arange(1, end), size=int(rng.integers(0, 5)), replace=False))
+        row[:end] = np.searchsorted(cuts, np.arange(end), side="right") + 1
+    return seg
+
+
+@pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("striped", 1), ("striped", 2),
+                                           ("zigzag", 1)])
+@pytest.mark.parametrize("n", [2, 4])
+def test_document_mask_counts_equal_kernel_predicate(layout, stripe, n):
+    """With packed documents, the counts are the kernel's own tile_cases on the laid-out
+    positions and segment ids (batch rows combined as the kernel combines them), they never
+    skip a tile pair with a visible (query, key) pair, and all-ones segment ids change nothing."""
+    rng = np.random.default_rng()
+    block, seq_len, rows = 2, 16 * n * stripe, 3
+    seg = random_packed_segments(rng, rows, seq_len)
+    w = work(layout, seq_len, n, block, stripe, segment_ids=seg)
+    perm = permutation(layout, seq_len, n, stripe)
+    c = seq_len // n
+    pos_d = lambda d: np.broadcast_to(perm[d * c:(d + 1) * c], (rows, c))
+    seg_d = lambda d: seg[:, perm][:, d * c:(d + 1) * c]
+    for r in range(n):
+        for d in range(n):
+            s = (d - r) % n
+            case = bw.tile_cases(pos_d(d), pos_d(s), seg_d(d), seg_d(s), block_q=block, block_kv=block)
+            assert w.tiles[r, d] == np.sum(case != bw.SKIP)
+            assert w.masked[r, d] == np.sum(case == bw.MASKED)
+            vis = bw.visible(pos_d(d), pos_d(s), seg_d(d), seg_d(s)).any(0)  # [Cq, Ck]
+            needed = vis.reshape(c // block, block, c // block, block).any((1, 3))
+            assert np.all(case[needed] != bw.SKIP)
+    assert w.total <= work(layout, seq_len, n, block, stripe).total
+    ones = work(layout, seq_len, n, block, stripe, segment_ids=np.ones((2, seq_len), np.int32))
+    np.testing.assert_array_equal(ones.tiles, work(layout, seq_len, n, block, stripe).tiles)
+    np.testing.assert_array_equal(ones.masked, work(layout, seq_len, n, block, stripe).masked)
+
+
+def test_document_mask_rejects_wrong_shape():
+    with pytest.raises(ValueError, match=r"segment_ids must be \[B, 32\], got \(2, 16\)"):
+        work("striped", 32, 2, 2, segment_ids=np.ones((2, 16), np.int32))
