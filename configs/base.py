@@ -33,11 +33,10 @@ def get_config() -> ml_collections.ConfigDict:
     a.stripe = 1  # striped layout: consecutive tokens per stripe (1 is the paper)
     a.block_q = 512  # query tile length inside each device's chunk (must divide it)
     a.block_kv = 512  # key/value tile length inside each device's chunk (must divide it)
-    # True: tokens attend only within their own packed document (segment ids). False: causal
-    # over the whole row, across document boundaries (the striped attention paper's setup);
-    # every step then costs the same, while with the mask the work depends on where documents
-    # start, and only a finely interleaved layout (striped) stays balanced for any boundaries.
-    a.document_mask = True
+    # With the mask, a step's work depends on where its documents start, and only a finely
+    # interleaved layout (striped) stays balanced for any boundaries; without it every step
+    # costs the same (scripts/compare_layouts.py --document-mask shows both).
+    a.document_mask = True  # attend only within each packed document; False: causal over whole rows (the paper)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # pure data parallelism (params replicated)
