@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     # With the mask, a step's work depends on where its documents start, and only a finely
     # interleaved layout (striped) stays balanced for any boundaries; without it every step
     # costs the same (scripts/compare_layouts.py --document-mask shows both).
-    a.document_mask = True  # attend only within each packed document; False: causal over whole rows (the paper)
+    a.document_mask = True  # attend within each packed document only; False: whole rows (paper)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # pure data parallelism (params replicated)

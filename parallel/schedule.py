@@ -1,9 +1,9 @@
 """Work accounting of ring attention: tiles computed per device per round, per layout.
 
 Uses the kernel's own tile predicate (``parallel.blockwise.tile_case``) on the true positions
-each device holds, so these counts are exactly the (q tile, kv tile) pairs the kernel computes,
-for causal attention with or without the packed-document mask. A ring round takes as long as its busiest
-device, so the critical path is the sum over rounds of the per-round maximum.
+each device holds, so these counts are exactly the (q tile, kv tile) pairs the kernel computes
+for causal attention, with or without the packed-document mask. A ring round takes as long as
+its busiest device, so the critical path is the sum over rounds of the per-round maximum.
 """
 from __future__ import annotations
 
