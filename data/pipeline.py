@@ -125,9 +125,17 @@ class Pipeline:
                                   self.global_shape)
 
     def heldout_batches(self, n: int) -> list[dict]:
-        """The same ``n`` batches every call, from held-out documents only (repeated when the
-        held-out documents fill fewer than ``n`` batches)."""
-        return [self.device_batch(i * self.batch_size, heldout=True) for i in range(n)]
+        """The same ``n`` batches every call, from held-out documents only, spread evenly over
+        the held-out set so that a few batches sample all of it rather than its first documents
+        (consecutive, then repeated, when it fills fewer than ``n`` batches)."""
+        return [self.device_batch(row, heldout=True) for row in self.heldout_rows(n)]
+
+    def heldout_rows(self, n: int) -> list[int]:
+        """First global row of each of the ``n`` held-out batches."""
+        rows = self._heldout_rows.rows_per_pass
+        if rows < n * self.batch_size:
+            return [i * self.batch_size for i in range(n)]
+        return [i * rows // n for i in range(n)]
 
     def close(self) -> None:
         """Stops the training iterator's prefetch thread."""

@@ -167,14 +167,30 @@ def test_heldout_batches_are_fixed_and_come_from_heldout_documents(pipe):
     for a, b in zip(first, again):
         for k in KEYS:
             np.testing.assert_array_equal(a[k], b[k])
-    nat = [from_layout(b, "striped", 4, 1) for b in first]
-    tokens = np.concatenate([b["tokens"] for b in nat])
-    mask = np.concatenate([b["loss_mask"] for b in nat]) > 0
     held = np.concatenate([np.concatenate([[pipe.eos_id], pipe.corpus.doc(i)])
                            for i in pipe.heldout_ids])
-    n = min(held.size, int(mask.sum()))
-    np.testing.assert_array_equal(tokens[mask][:n], held[:n])
+    rows = pipe.heldout_rows(3)
+    per_pass = -(-held.size // pipe.seq_len)  # packed rows of the held-out documents
+    assert per_pass >= 3 * pipe.batch_size  # enough to spread: evenly over the whole set
+    assert rows == [0, per_pass // 3, 2 * per_pass // 3]
+    for row, b in zip(rows, first):
+        nat = from_layout(b, "striped", 4, 1)
+        mask = nat["loss_mask"] > 0
+        start = row * pipe.seq_len
+        want = held[start:start + pipe.batch_size * pipe.seq_len]
+        np.testing.assert_array_equal(nat["tokens"][mask][:want.size], want)
     assert pipe.heldout_ids.size == round(0.1 * pipe.corpus.num_docs)
+
+
+def test_heldout_batches_repeat_when_the_heldout_set_is_small(pipe):
+    """More batches asked for than the held-out rows fill: consecutive rows, wrapping round."""
+    per_pass = pipe._heldout_rows.rows_per_pass
+    n = per_pass // pipe.batch_size + 2
+    assert pipe.heldout_rows(n) == [i * pipe.batch_size for i in range(n)]
+    wrapped = numpy_batch(pipe.heldout_batches(n)[-1])
+    again = numpy_batch(pipe.device_batch((n - 1) * pipe.batch_size - per_pass, heldout=True))
+    for k in KEYS:
+        np.testing.assert_array_equal(wrapped[k], again[k])
 
 
 @pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("striped", 2), ("zigzag", 1)])
