@@ -134,7 +134,8 @@ def measure(args) -> list[dict]:
             order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
             for layout in order:
                 run = runs[layout]
-                row = r * args.batch
+                it = run["pipe"].train.state()
+                row = it["epoch"] * it["rows_per_epoch"] + it["row"]  # the batch's first row
                 batch = next(run["pipe"].train)
                 t0 = time.perf_counter()
                 run["state"], metrics = run["trainer"].train_step(run["state"], batch)
