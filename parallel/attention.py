@@ -52,15 +52,17 @@ class _Ring:
         return P(*(role[n] for n in names))
 
 
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int) -> str:
+    ds = [x for x in range(1, n + 1) if n % x == 0]
+    return ", ".join(map(str, ds if len(ds) <= 12 else ds[:6] + ["..."] + ds[-3:]))
 
 
-def _tile(name, block, chunk, seq_len, shards):
+def tile_size(name, block, chunk, seq_len, shards):
     """Tile size actually used: clamped to the chunk when larger, else it must divide it.
 
     Clamping lets the model's default (512) run on short sequences and makes the smallest valid
-    length per device work; a smaller tile that does not divide the chunk is a user error.
+    length per device work; a smaller tile that does not divide the chunk is a user error
+    (ValueError; ``training/validate.py`` reports it before anything compiles).
     """
     if block < 1:
         raise ValueError(f"{name} must be >= 1, got {block}")
@@ -70,7 +72,7 @@ def _tile(name, block, chunk, seq_len, shards):
         raise ValueError(
             f"{name}={block} does not divide the per-device chunk of {chunk} tokens "
             f"(seq_len {seq_len} / {shards} sequence shards); valid {name}: "
-            f"{', '.join(map(str, _divisors(chunk)))} (or anything larger, clamped to {chunk})")
+            f"{_divisors(chunk)} (or anything larger, clamped to {chunk})")
     return block
 
 
@@ -117,8 +119,8 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     check_layout(layout, length, n, stripe)
     chunk = length // n
     ring = _Ring(mesh, axis, batch_axes, head_axis, bool(causal),
-                 _tile("block_q", block_q, chunk, length, n),
-                 _tile("block_kv", block_kv, chunk, length, n), 1.0 / math.sqrt(d))
+                 tile_size("block_q", block_q, chunk, length, n),
+                 tile_size("block_kv", block_kv, chunk, length, n), 1.0 / math.sqrt(d))
     if positions is None:
         positions = jnp.broadcast_to(jnp.asarray(permutation(layout, length, n, stripe)), (b, length))
     elif positions.shape != (b, length):

@@ -28,7 +28,7 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"attention__impl": "flash"}, 8, "attention.impl='flash' is not one of ring, dense"),
     ({"data__seq_len": 510}, 8, "data.seq_len: seq_len 510 is not divisible by shards x stripe width (4 x 1 = 4)"),
     ({"data__seq_len": 516, "attention__layout": "zigzag"}, 8, "not divisible by 2 x shards (2 x 4 = 8) for the zigzag layout"),
-    ({"attention__block_q": 48}, 8, "attention.block_q=48 must divide the per-device chunk seq_len/sequence = 512/4 = 128"),
+    ({"attention__block_q": 48}, 8, "attention.block_q=48 does not divide the per-device chunk of 128 tokens (seq_len 512 / 4 sequence shards); valid attention.block_q: 1, 2, 4, 8, 16, 32, 64, 128"),
     ({"mesh__fsdp": 4}, 8, "mesh 1x4x4x1 (data x fsdp x sequence x tensor) has 16 devices but 8 are available"),
     ({"mesh__fsdp": -1, "mesh__data": -1}, 8, "only one mesh axis may be -1"),
     ({"mesh__fsdp": -1, "mesh__sequence": 3}, 8, "mesh.fsdp=-1 cannot fill 8 devices"),

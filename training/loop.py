@@ -128,7 +128,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         do_eval(0)
     lr_at = schedule(t)
     pending, clock, clock_step, t_first = None, None, start, time.perf_counter()
-    stopped, last = None, {}
+    stopped, latest = None, {}
 
     def flush(pending):
         nonlocal clock, clock_step
@@ -144,8 +144,8 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         else:
             tps = (step - clock_step) * tokens_per_step / max(now - clock, 1e-9)
             clock, clock_step = now, step
-        last.update(step=step, loss=float(metrics["loss"]))
-        log.train({"step": step, "loss": last["loss"],
+        latest["loss"] = float(metrics["loss"])
+        log.train({"step": step, "loss": latest["loss"],
                    "grad_norm": float(metrics["grad_norm"]), "lr": float(lr_at(step - 1)),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / peak})
 
@@ -186,7 +186,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
 
     summary = {"workdir": str(workdir), "metrics": str(workdir / "metrics.jsonl"),
                "checkpoint": str(ckpts.path(ckpts.latest_step())), "evals": evals,
-               "start_step": start, "stopped_at": stopped, "final_loss": last.get("loss")}
+               "start_step": start, "stopped_at": stopped, "final_loss": latest.get("loss")}
     if len(evals) >= 2:
         first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
         summary["eval_drop"] = 1 - last / first

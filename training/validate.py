@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from model.decoder import DTYPES, REMAT
+from parallel.attention import tile_size
 from parallel.layouts import LAYOUTS, LayoutError, check as check_layout
 from parallel.mesh import MeshError, mesh_shape
 
@@ -61,14 +62,12 @@ def validate(config, num_devices: int) -> dict[str, int]:
         check_layout(a.layout, d.seq_len, n, a.stripe)
     except LayoutError as e:
         raise ConfigError(f"data.seq_len: {e}") from None
-    chunk = d.seq_len // n
     if a.impl == "ring":
         for field in ("block_q", "block_kv"):
-            b = a[field]
-            # A tile longer than the chunk is clamped to it by the kernel (short smoke runs).
-            _need(b >= chunk or (b >= 1 and chunk % b == 0),
-                  f"attention.{field}={b} must divide the per-device chunk seq_len/sequence = "
-                  f"{d.seq_len}/{n} = {chunk}; valid: {_divisors(chunk)} (or >= {chunk})")
+            try:  # the kernel's own rule: a tile longer than the chunk is clamped to it
+                tile_size(f"attention.{field}", a[field], d.seq_len // n, d.seq_len, n)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     _need(0 < d.heldout_fraction < 1, f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
     _need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
 
@@ -85,8 +84,3 @@ def validate(config, num_devices: int) -> dict[str, int]:
     _need(config.wandb.mode in WANDB_MODES,
           f"wandb.mode={config.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     return sizes
-
-
-def _divisors(n: int) -> str:
-    ds = [x for x in range(1, n + 1) if n % x == 0]
-    return ", ".join(map(str, ds if len(ds) <= 12 else ds[:6] + ["..."] + ds[-3:]))
