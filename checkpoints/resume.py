@@ -29,7 +29,15 @@ def _restore_data(pipe, data_state: dict, where: str):
 
 def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, object]:
     """(step, TrainState) to continue from; restores the data iterator's position with it."""
-    check = checker(config, pipe.fingerprint)
+    fits = checker(config, pipe.fingerprint)
+    steps = int(config.train.steps)
+
+    def check(meta, step, path):  # on metadata only, before any array is read
+        fits(meta, step, path)
+        if step > steps:
+            raise CheckpointError(f"the checkpoint to continue from is at step {step}, past "
+                                  f"train.steps={steps}; raise --config.train.steps to go on")
+
     k = config.checkpoint
     own = ckpts.restore(trainer.abstract_state, check=check)
     if own is not None:
@@ -46,7 +54,7 @@ def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, ob
     other = Checkpoints(directory, log=log)
     try:
         if k.restore_weights_only:
-            got = other.restore_params(trainer.abstract_state.params, step=step, check=check)
+            got = other.restore_params(trainer.abstract_state.params, step=step, check=fits)
         else:
             got = other.restore(trainer.abstract_state, step=step, check=check)
     finally:

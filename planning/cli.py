@@ -6,7 +6,6 @@ XLA_FLAGS set before anything imports jax.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import pathlib
@@ -74,49 +73,19 @@ def parse_mesh(text: str, devices: int = 0) -> dict[str, int]:
 
 
 def load_config(path: str, overrides: list[str]):
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    root = str(pathlib.Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)  # configs import their base as ``configs.base``
-    spec = importlib.util.spec_from_file_location(f"_plan_config_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    """The config with ``--config.a.b=value`` overrides, as train.py takes them."""
+    from configs.loading import ConfigFileError, load
+    pairs = []
     for arg in overrides:
-        m = re.fullmatch(r"--config\.([\w.]+)=(.*)", arg)
+        m = re.fullmatch(r"--config\.([\w.]+=.*)", arg, flags=re.S)
         if not m:
             raise UsageError(f"unrecognized argument {arg!r} (config overrides look like "
                              f"--config.model.remat=full)")
-        set_field(config, m.group(1), m.group(2))
-    return config
-
-
-def set_field(config, dotted: str, text: str) -> None:
-    *parents, leaf = dotted.split(".")
-    node = config
-    for name in parents:
-        if name not in node:
-            raise UsageError(f"--config.{dotted}: no field {name!r} in the config")
-        node = node[name]
-    if leaf not in node:
-        raise UsageError(f"--config.{dotted}: no such field")
-    old = node[leaf]
+        pairs.append(m.group(1))
     try:
-        if isinstance(old, bool):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            value = text.lower() in ("true", "1")
-        elif isinstance(old, int):
-            value = int(text)
-        elif isinstance(old, float):
-            value = float(text)
-        else:
-            value = text
-    except ValueError:
-        raise UsageError(f"--config.{dotted}={text!r}: expected a {type(old).__name__}") from None
-    node[leaf] = value
+        return load(path, pairs)
+    except ConfigFileError as e:
+        raise UsageError(str(e)) from None
 
 
 def simulate_devices(n: int) -> None:

@@ -15,7 +15,6 @@ Run:  python scripts/bench_checkpoint.py [--config configs/tiny.py] [--steps 100
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -26,6 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from configs.loading import load  # noqa: E402
 from parallel.distributed import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)  # before jax is imported
@@ -44,14 +44,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_config(path: str):
-    spec = importlib.util.spec_from_file_location(
-        "bench_config", path if os.path.isabs(path) else os.path.join(ROOT, path))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def measure(config, args, async_save: bool) -> dict:
     import jax
 
@@ -67,8 +59,8 @@ def measure(config, args, async_save: bool) -> dict:
     trainer = Trainer(config, mesh)
     state = trainer.init(config.train.seed)
     for _ in range(args.warmup):
-        state, metrics = trainer.train_step(state, next(pipe.train))
-    jax.block_until_ready(metrics)
+        state, _ = trainer.train_step(state, next(pipe.train))
+    jax.block_until_ready(state)
     meta = run_meta(config, pipe.fingerprint, mesh)
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         ckpts = Checkpoints(os.path.join(tmp, "checkpoints"), config.checkpoint, log=lambda m: None)
@@ -143,7 +135,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     import jax
-    config = load_config(args.config)
+    config = load(args.config)
     print(f"{args.config}: {jax.device_count()} {jax.default_backend()} devices, mesh "
           f"{dict(config.mesh)}, attention {config.attention.impl}/{config.attention.layout}, "
           f"save every {args.every} steps")

@@ -15,7 +15,6 @@ Run:  python scripts/bench_data.py [--config configs/tiny.py] [--seq-len 2048] [
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from configs.loading import load  # noqa: E402
 from parallel.distributed import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)  # before jax is imported
@@ -34,19 +34,11 @@ MFU = 0.5
 REQUIRED_RATIO = 5.0
 
 
-def load_config(path: str):
-    spec = importlib.util.spec_from_file_location("bench_config", os.path.join(ROOT, path)
-                                                  if not os.path.isabs(path) else path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def llama_1b_model():
     """configs/llama_1b.py's model, or the same sizes built here when that file is absent."""
     path = os.path.join(ROOT, "configs", "llama_1b.py")
     if os.path.exists(path):
-        return load_config(path).model, "configs/llama_1b.py"
+        return load(path).model, "configs/llama_1b.py"
     from configs import base
     m = base.get_config().model
     m.update(vocab_size=32000, d_model=2048, num_layers=22, num_heads=16, num_kv_heads=16,
@@ -86,7 +78,7 @@ def main(argv=None) -> dict:
     from data import sources, tokens as tokens_lib
     from model.flops import flops_per_token
 
-    config = load_config(args.config)
+    config = load(args.config)
     config.data.update(seq_len=args.seq_len, batch_size=args.batch)
     if args.vocab:
         config.model.vocab_size = args.vocab

@@ -16,7 +16,6 @@ on a GPU/TPU host use --processes 1 and the real devices.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -53,21 +52,6 @@ def parse_args(argv=None):
     p.add_argument("--num_processes", type=int, help=argparse.SUPPRESS)
     p.add_argument("--process_id", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def load_config(path: str, overrides: list[str]):
-    spec = importlib.util.spec_from_file_location("compared_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    for item in overrides:
-        key, _, value = item.partition("=")
-        *parents, leaf = key.split(".")
-        node = config
-        for name in parents:
-            node = node[name]
-        node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "True"
-    return config
 
 
 def tile(chunk: int, block: int) -> int:
@@ -111,13 +95,14 @@ def measure(args) -> list[dict]:
     import jax
     import numpy as np
 
+    from configs.loading import load
     from data.pipeline import make_pipeline
     from model.flops import attention_flops_per_token, flops_per_token
     from parallel.mesh import make_mesh
     from training.state import Trainer
     from training.validate import validate
 
-    base = load_config(args.config, args.set)
+    base = load(args.config, args.set)
     devices = jax.device_count()
     layouts = [x for x in args.layouts.split(",") if x]
     rows = []

@@ -8,7 +8,6 @@ import time
 
 import jax
 
-from checkpoints.compat import CheckpointError
 from checkpoints.manager import Checkpoints
 from checkpoints.preemption import StopOnSignal, should_stop
 from checkpoints.resume import run_meta, start_state
@@ -80,16 +79,12 @@ def run(config, workdir: pathlib.Path) -> dict:
     pipe = make_pipeline(config, mesh)
     check_workdir(workdir, pipe.fingerprint)
     trainer = Trainer(config, mesh)
-    t = config.train
     workdir.mkdir(parents=True, exist_ok=True)
     log = MetricsLogger(workdir, config, start_step=0)
     ckpts = None
     try:
         ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint, log=log.write)
         start, state = start_state(config, trainer, pipe, ckpts, log.write)
-        if start > t.steps:
-            raise CheckpointError(f"the checkpoint to continue from is at step {start}, past "
-                                  f"train.steps={t.steps}; raise --config.train.steps to go on")
         # Only now, with the checkpoint found to fit this config, is the config recorded.
         write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint)
         meta = run_meta(config, pipe.fingerprint, mesh)
