@@ -9,7 +9,6 @@ H100, and writes a Markdown table of memory per device against 80 GB and 141 GB 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import subprocess
@@ -38,16 +37,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for model in args.models.split(","):
         config = f"configs/llama_{model}.py"
-        block = importlib.import_module(f"configs.llama_{model}").get_config().attention.block_q
         for seq_len in map(int, args.seq_lens.split(",")):
             for devices in map(int, args.devices.split(",")):
                 for mesh in MESHES[devices]:
-                    ring = int(mesh.split("sequence=")[1].split(",")[0])
                     cmd = ["scripts/plan.py", "--config", config, "--mesh", mesh,
                            "--seq-len", str(seq_len), "--batch", "1", "--hardware", args.hardware]
-                    if seq_len // ring < block:  # the tile cannot exceed a device's chunk
-                        tile = seq_len // ring
-                        cmd += [f"--config.attention.block_q={tile}", f"--config.attention.block_kv={tile}"]
                     with tempfile.NamedTemporaryFile(suffix=".json") as f:
                         run = subprocess.run([sys.executable, *cmd, "--json", f.name], cwd=ROOT,
                                              capture_output=True, text=True)
