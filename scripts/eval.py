@@ -52,21 +52,6 @@ def eval_setup(config, log):
     return config, make_mesh(config.mesh, jax.devices()[:1])
 
 
-def token_losses_fn(trainer):
-    """jit(params, batch) -> (loss per token [B, L], mask [B, L]), both in the batch's layout."""
-    import jax
-    import optax
-    from flax import nnx
-
-    def per_token(params, batch):
-        logits = nnx.merge(trainer.graphdef, params)(
-            batch["tokens"], batch["positions"], batch["segment_ids"])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-        return ce * batch["loss_mask"], batch["loss_mask"]
-
-    return jax.jit(per_token, in_shardings=(trainer.param_shardings, trainer.batch_shardings))
-
-
 def context_lengths(segment_ids_BL):
     """Tokens of the same document before each token, from natural-order segment ids."""
     import numpy as np
@@ -129,8 +114,7 @@ def evaluate(run, args, log) -> dict:
     import jax
     import numpy as np
 
-    from data.pipeline import make_pipeline
-    from parallel.layouts import inverse, permutation
+    from data.pipeline import from_layout, make_pipeline
     from training.state import Trainer
     config, mesh = eval_setup(run.config, log)
     pipe = make_pipeline(config, mesh)
@@ -141,17 +125,18 @@ def evaluate(run, args, log) -> dict:
     try:
         trainer = Trainer(config, mesh)
         got = run.restore_params(trainer.abstract_state.params, step=args.step)
-        per_token = token_losses_fn(trainer)
-        L = int(config.data.seq_len)
-        natural = inverse(permutation(config.attention.layout, L, int(mesh.shape["sequence"]),
-                                      int(config.attention.stripe)))
+        per_token = jax.jit(trainer.token_losses,
+                            in_shardings=(trainer.param_shardings, trainer.batch_shardings))
+        a = config.attention
         losses, masks, contexts = [], [], []
         for batch in pipe.heldout_batches(args.batches):
-            loss, mask = jax.device_get(per_token(got.params, batch))
-            segments = np.asarray(jax.device_get(batch["segment_ids"]))[:, natural]
-            losses.append(np.asarray(loss)[:, natural])
-            masks.append(np.asarray(mask)[:, natural])
-            contexts.append(context_lengths(segments))
+            got_BL = {"loss": per_token(got.params, batch), "mask": batch["loss_mask"],
+                      "segments": batch["segment_ids"]}
+            nat = from_layout(jax.device_get(got_BL), a.layout, int(mesh.shape["sequence"]),
+                              int(a.stripe))
+            losses.append(nat["loss"])
+            masks.append(nat["mask"])
+            contexts.append(context_lengths(nat["segments"]))
     finally:
         pipe.close()
     loss_BL, mask_BL = np.concatenate(losses), np.concatenate(masks)
@@ -163,7 +148,8 @@ def evaluate(run, args, log) -> dict:
               "layout": config.attention.layout, "attention": config.attention.impl,
               "mesh": {k: int(v) for k, v in mesh.shape.items()},
               "bucketed_by": "position in document (tokens of context before the token)"}
-    result["buckets"] = bucketize(loss_BL, mask_BL, np.concatenate(contexts), L, args.buckets)
+    result["buckets"] = bucketize(loss_BL, mask_BL, np.concatenate(contexts),
+                                  int(config.data.seq_len), args.buckets)
     return result
 
 

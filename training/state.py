@@ -25,13 +25,6 @@ class TrainState:
     bad_step: jax.Array  # int32: first step whose loss was not finite, -1 while all are
 
 
-def masked_loss(logits_BLV, labels_BL, mask_BL):
-    """Mean next-token cross-entropy over unmasked tokens; order-free, so any layout works."""
-    ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, labels_BL)
-    count = jnp.maximum(mask_BL.sum(), 1.0)
-    return (ce_BL * mask_BL).sum() / count, count
-
-
 class Trainer:
     """Builds the model's structure once and holds the jitted, sharded step functions."""
 
@@ -73,10 +66,17 @@ class Trainer:
                           opt_state=self.optimizer.init(params),
                           bad_step=jnp.full((), -1, jnp.int32))
 
-    def loss(self, params, batch):
+    def token_losses(self, params, batch):
+        """Next-token cross-entropy per token ``[B, L]`` in the batch's layout, 0 where masked."""
         model = nnx.merge(self.graphdef, params)
-        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-        return masked_loss(logits, batch["labels"], batch["loss_mask"])
+        logits_BLV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["labels"])
+        return ce_BL * batch["loss_mask"]
+
+    def loss(self, params, batch):
+        """Mean over unmasked tokens (order-free, so any layout works) and their count."""
+        count = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+        return self.token_losses(params, batch).sum() / count, count
 
     def _train_step(self, state: TrainState, batch):
         (loss, count), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch)
