@@ -89,65 +89,57 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         "usable_fraction": hwlib.USABLE_FRACTION,
         "notes": [],
     }
+    colls_by_remat, programs = {}, {}  # per remat: the compiled program's collectives
     if not compile_program:
-        plan["layouts"] = step_time.project(base, mesh_sizes, global_rows, hw, layouts, primary,
-                                            None, dtype_bytes)["layouts"]
-        plan["step_time_by_remat"] = {
-            r: {k: v["projected_step_s"] for k, v in step_time.project(
-                base, mesh_sizes, global_rows, hw, layouts, r, None, dtype_bytes)["layouts"].items()}
-            for r in remats}
         plan["notes"].append("--no-compile: no memory figures; FSDP traffic estimated analytically")
-        return plan
+    else:
+        devices = (jax.devices() if devices is None else devices)
+        if len(devices) < num_devices:
+            raise PlanError(f"the mesh needs {num_devices} devices but this process has {len(devices)}; "
+                            f"run scripts/plan.py in a fresh process (it simulates them)")
+        devices = devices[:num_devices]
 
-    devices = (jax.devices() if devices is None else devices)
-    if len(devices) < num_devices:
-        raise PlanError(f"the mesh needs {num_devices} devices but this process has {len(devices)}; "
-                        f"run scripts/plan.py in a fresh process (it simulates them)")
-    devices = devices[:num_devices]
+        to_compile = [r for r in remats if r != "offload"]
+        if "offload" in remats:
+            to_compile += [r for r in ("attention", "full") if r not in to_compile]
+        for r in to_compile:
+            programs[r] = compile_step(planned_config(config, seq_len, global_rows, mesh_sizes, r), devices)
 
-    to_compile = [r for r in remats if r != "offload"]
-    if "offload" in remats:
-        to_compile += [r for r in ("attention", "full") if r not in to_compile]
-    programs = {}
-    for r in to_compile:
-        programs[r] = compile_step(planned_config(config, seq_len, global_rows, mesh_sizes, r), devices)
+        memory, compile_times = {}, {}
+        for r in to_compile:
+            p = programs[r]
+            compile_times[r] = {"lower_s": p.lower_s, "compile_s": p.compile_s}
+            colls_by_remat[r] = coll.collectives(p.hlo_text, num_devices)
+            memory[r] = {**p.memory.as_dict(), "estimated": False}
+        if "offload" in remats:
+            memory["offload"] = _offload_estimate(programs["attention"].memory, programs["full"].memory,
+                                                  m.num_layers)
+            colls_by_remat["offload"] = colls_by_remat["attention"]
+            plan["notes"].append(
+                "offload is estimated: XLA CPU compiles no host offload, so device memory is the full "
+                "remat program plus one layer's saved matmul outputs, and host memory the attention "
+                "program's extra temporaries")
+        usable = hw.memory_bytes * hwlib.USABLE_FRACTION
+        for r in memory:
+            memory[r]["fits"] = memory[r]["total"] <= usable
+        plan["memory"] = {r: memory[r] for r in remats}
+        replicated = _state_replicated_over(mesh_sizes)
+        if replicated:
+            mem = memory[to_compile[0]]
+            plan["notes"].append(
+                f"parameters and optimizer state are replicated over {' x '.join(replicated)} "
+                f"(parallel/mesh.py RULES shard them over {', '.join(_state_axes()) or 'nothing'}): every "
+                f"device holds {(mem['params'] + mem['optimizer']) / 2**30:.2f} GiB of them, plus "
+                f"{mem['params'] / 2**30:.2f} GiB of fp32 gradients during the step")
+        plan["memory_per_device_bytes"] = memory[primary]["total"]
+        plan["fits"] = memory[primary]["fits"]
+        plan["compile"] = compile_times
 
-    memory, step_by_remat, compile_times, colls_by_remat = {}, {}, {}, {}
-    for r in to_compile:
-        p = programs[r]
-        compile_times[r] = {"lower_s": p.lower_s, "compile_s": p.compile_s}
-        colls_by_remat[r] = coll.collectives(p.hlo_text, num_devices)
-        memory[r] = {**p.memory.as_dict(), "estimated": False}
-    if "offload" in remats:
-        memory["offload"] = _offload_estimate(programs["attention"].memory, programs["full"].memory,
-                                              m.num_layers)
-        colls_by_remat["offload"] = colls_by_remat["attention"]
-        plan["notes"].append(
-            "offload is estimated: XLA CPU compiles no host offload, so device memory is the full "
-            "remat program plus one layer's saved matmul outputs, and host memory the attention "
-            "program's extra temporaries")
-    usable = hw.memory_bytes * hwlib.USABLE_FRACTION
-    for r in memory:
-        memory[r]["fits"] = memory[r]["total"] <= usable
-    plan["memory"] = {r: memory[r] for r in remats}
-    replicated = _state_replicated_over(mesh_sizes)
-    if replicated:
-        mem = memory[to_compile[0]]
-        plan["notes"].append(
-            f"parameters and optimizer state are replicated over {' x '.join(replicated)} "
-            f"(parallel/mesh.py RULES shard them over {', '.join(_state_axes()) or 'nothing'}): every "
-            f"device holds {(mem['params'] + mem['optimizer']) / 2**30:.2f} GiB of them, plus "
-            f"{mem['params'] / 2**30:.2f} GiB of fp32 gradients during the step")
-    plan["memory_per_device_bytes"] = memory[primary]["total"]
-    plan["fits"] = memory[primary]["fits"]
-    plan["compile"] = compile_times
-
-    colls = colls_by_remat[primary]
-    plan["collectives"] = coll.summarize(colls)
-    for r in remats:
-        proj = step_time.project(base if r == primary else
-                                 planned_config(config, seq_len, global_rows, mesh_sizes, r),
-                                 mesh_sizes, global_rows, hw, layouts, r, colls_by_remat[r], dtype_bytes)
+        plan["collectives"] = coll.summarize(colls_by_remat[primary])
+    step_by_remat = {}
+    for r in remats:  # the projection reads remat from its argument, not from the config
+        proj = step_time.project(base, mesh_sizes, global_rows, hw, layouts, r,
+                                 colls_by_remat.get(r), dtype_bytes)
         step_by_remat[r] = {k: v["projected_step_s"] for k, v in proj["layouts"].items()}
         if r == primary:
             plan["layouts"] = proj["layouts"]
