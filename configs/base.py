@@ -33,6 +33,11 @@ def get_config() -> ml_collections.ConfigDict:
     a.stripe = 1  # striped layout: consecutive tokens per stripe (1 is the paper)
     a.block_q = 512  # query tile length inside each device's chunk (must divide it)
     a.block_kv = 512  # key/value tile length inside each device's chunk (must divide it)
+    # Per-round kernel: auto picks the fused Pallas kernel of the platform (GPU: Triton, TPU:
+    # Mosaic) and xla on a CPU; a Pallas value on a CPU runs in interpret mode (exact, slow).
+    a.kernel = "auto"  # auto | xla | pallas_gpu | pallas_tpu
+    a.pallas_block_q = 0  # Pallas q tile in positions (x query heads per kv head = rows); 0: GPU 64, TPU 512
+    a.pallas_block_kv = 0  # Pallas kv tile in positions; 0: GPU 64, TPU 512 (block_q/kv above are xla's)
     # With the mask, a step's work depends on where its documents start, and only a finely
     # interleaved layout (striped) stays balanced for any boundaries; without it every step
     # costs the same (scripts/compare_layouts.py --document-mask shows both).

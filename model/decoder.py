@@ -82,6 +82,10 @@ class Decoder(nnx.Module):
 
 
 def backend_from_config(config, mesh=None) -> AttentionBackend:
+    from parallel import kernels
     a = config.attention
-    return AttentionBackend(impl=a.impl, layout=a.layout, stripe=a.stripe, block_q=a.block_q,
-                            block_kv=a.block_kv, mesh=mesh, document_mask=bool(a.document_mask))
+    kernel = kernels.resolve(a.get("kernel", "auto"), kernels.platform_of(mesh))
+    block_q, block_kv = kernels.tiles(kernel, a)
+    return AttentionBackend(impl=a.impl, layout=a.layout, kernel=kernel, stripe=a.stripe,
+                            block_q=block_q, block_kv=block_kv, mesh=mesh,
+                            document_mask=bool(a.document_mask))

@@ -45,6 +45,7 @@ class AttentionBackend:
     """Which attention kernel runs and over which mesh; static (hashable) model metadata."""
     impl: str = "dense"  # dense | ring
     layout: str = "contiguous"
+    kernel: str = "xla"  # resolved per-round kernel: xla | pallas_gpu | pallas_tpu
     stripe: int = 1
     block_q: int = 512
     block_kv: int = 512
@@ -60,17 +61,30 @@ class AttentionBackend:
     def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL):
         if not self.document_mask:
             segment_ids_BL = None
-        if self.impl == "ring":
+        if self.impl == "ring" or self._fused_dense():
             from parallel.attention import context_parallel_attention
             return context_parallel_attention(
-                q_BLHD, k_BLKD, v_BLKD, mesh=self.mesh, layout=self.layout, positions=None,
-                segment_ids=segment_ids_BL, stripe=self.stripe, block_q=self.block_q,
-                block_kv=self.block_kv)
+                q_BLHD, k_BLKD, v_BLKD, mesh=self.mesh or _single_device_mesh(),
+                layout=self.layout, positions=None, segment_ids=segment_ids_BL,
+                stripe=self.stripe, block_q=self.block_q, block_kv=self.block_kv,
+                kernel=self.kernel)
         from parallel.blockwise import dense_attention
         B, L = q_BLHD.shape[:2]
         index_BL = jnp.broadcast_to(self.natural_index(L), (B, L))
         return dense_attention(q_BLHD, k_BLKD, v_BLKD, positions=index_BL,
                                segment_ids=segment_ids_BL)
+
+
+    def _fused_dense(self) -> bool:
+        """Dense attention through the fused kernel (a ring of one) where one is chosen, so
+        that dense and ring compare fairly on a GPU; XLA's dense attention otherwise."""
+        return (self.impl == "dense" and self.kernel != "xla"
+                and (self.mesh is None or self.mesh.shape.get("sequence", 1) == 1))
+
+
+def _single_device_mesh():
+    return jax.make_mesh((1,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
 
 
 class Attention(nnx.Module):

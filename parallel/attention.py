@@ -22,6 +22,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from parallel import blockwise as bw
+from parallel import kernels
+from parallel.kernels import fused
+from parallel.kernels.spec import RoundSpec
 from parallel.layouts import check as check_layout
 from parallel.layouts import permutation
 
@@ -41,6 +44,12 @@ class _Ring:
     block_q: int
     block_kv: int
     scale: float
+    kernel: str = "xla"  # resolved: xla | pallas_gpu | pallas_tpu
+    interpret: bool = False  # Pallas interpret mode
+
+    def round_spec(self, q_heads, kv_heads, head_dim, has_seg) -> RoundSpec:
+        return RoundSpec(self.kernel, self.block_q, self.block_kv, q_heads // kv_heads, kv_heads,
+                         head_dim, self.scale, self.causal, has_seg, self.interpret)
 
     @property
     def size(self):
@@ -95,7 +104,8 @@ def _mesh_axes(mesh, axis, batch, heads_q, heads_kv):
 
 
 def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment_ids=None,
-                               axis="sequence", causal=True, stripe=1, block_q=512, block_kv=512):
+                               axis="sequence", causal=True, stripe=1, block_q=None, block_kv=None,
+                               kernel="auto"):
     """Exact attention with L split over ``mesh[axis]`` as a ring, in any token layout.
 
     q ``[B, L, Hq, D]``, k/v ``[B, L, Hkv, D]`` in layout order along L; ``positions [B, L]``
@@ -104,7 +114,8 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     restrict attention to the same packed document. Returns ``[B, L, Hq, D]`` in layout
     order and ``q.dtype``. Batch is also split over the mesh's data/fsdp axes and heads over
     its tensor axis when they exist with size > 1. ``block_q``/``block_kv`` are the tile
-    sizes inside each device's chunk (clamped to the chunk when larger).
+    sizes inside each device's chunk (clamped to the chunk when larger; None: the kernel's
+    default). ``kernel``: ``auto | xla | pallas_gpu | pallas_tpu`` (``parallel/kernels``).
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [B, L, Hq, D] and k, v [B, L, Hkv, D]; got q {q.shape}, "
@@ -118,9 +129,13 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     n = mesh.shape[axis]
     check_layout(layout, length, n, stripe)
     chunk = length // n
+    platform = kernels.platform_of(mesh)
+    kernel = kernels.resolve(kernel, platform)
+    default_q, default_kv = kernels.DEFAULT_BLOCKS[kernel]
     ring = _Ring(mesh, axis, batch_axes, head_axis, bool(causal),
-                 tile_size("block_q", block_q, chunk, length, n),
-                 tile_size("block_kv", block_kv, chunk, length, n), 1.0 / math.sqrt(d))
+                 tile_size("block_q", block_q or default_q, chunk, length, n),
+                 tile_size("block_kv", block_kv or default_kv, chunk, length, n),
+                 1.0 / math.sqrt(d), kernel, kernels.interpret(kernel, platform))
     if positions is None:
         positions = jnp.broadcast_to(jnp.asarray(permutation(layout, length, n, stripe)), (b, length))
     elif positions.shape != (b, length):
@@ -205,11 +220,16 @@ def _bwd_specs(ring, has_seg):
 def _forward_program(ring: _Ring, has_seg: bool):
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
         hkv = k_BCKD.shape[2]  # local count: heads may be split over the tensor axis
-        q_s = bw.to_q_major(q_BCHD.astype(jnp.float32) * ring.scale, hkv)
         kv = bw.KV(bw.to_kv_major(k_BCKD), bw.to_kv_major(v_BCKD), pos_BC, seg_BC)
+        q_s = bw.to_q_major(q_BCHD.astype(jnp.float32) * ring.scale, hkv)
         acc = bw.init_acc(q_s)
-        attend = lambda kv, acc: bw.attend_block(q_s, kv, pos_BC, seg_BC, acc, block_q=ring.block_q,
-                                                 block_kv=ring.block_kv, causal=ring.causal)
+        if ring.kernel == "xla":
+            attend = lambda kv, acc: bw.attend_block(q_s, kv, pos_BC, seg_BC, acc, block_q=ring.block_q,
+                                                     block_kv=ring.block_kv, causal=ring.causal)
+        else:
+            spec = ring.round_spec(q_BCHD.shape[2], hkv, q_BCHD.shape[3], has_seg)
+            query = fused.prepare(q_BCHD, pos_BC, seg_BC, spec)
+            attend = lambda kv, acc: fused.attend(spec, query, kv, acc)
 
         def round_(_, carry):
             kv, acc = carry
@@ -222,7 +242,8 @@ def _forward_program(ring: _Ring, has_seg: bool):
 
     qspec = ring.spec("b", "s", "h", None)
     return jax.jit(jax.shard_map(local, mesh=ring.mesh, in_specs=_fwd_specs(ring, has_seg),
-                                 out_specs=(qspec, ring.spec("b", "h", "s", None))))
+                                 out_specs=(qspec, ring.spec("b", "h", "s", None)),
+                                 check_vma=ring.kernel == "xla"))
 
 
 def _backward(q, k, v, positions, segment_ids, out, lse, dout, ring: _Ring):
@@ -238,16 +259,27 @@ def _backward_program(ring: _Ring, has_seg: bool):
 
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKCG, dout_BCHD):
         hkv = k_BCKD.shape[2]
-        q_s = bw.to_q_major(q_BCHD.astype(jnp.float32) * ring.scale, hkv)
         do = bw.to_q_major(dout_BCHD.astype(jnp.float32), hkv)
         delta = jnp.sum(do * bw.to_q_major(out_BCHD.astype(jnp.float32), hkv), axis=-1)
         kv = bw.KV(bw.to_kv_major(k_BCKD), bw.to_kv_major(v_BCKD), pos_BC, seg_BC)
+        if ring.kernel == "xla":
+            q_s = bw.to_q_major(q_BCHD.astype(jnp.float32) * ring.scale, hkv)
 
-        def grads(kv, dq):
-            return bw.attend_block_bwd(q_s, kv, pos_BC, seg_BC, do, lse_BKCG, delta, dq,
-                                       block_q=ring.block_q, block_kv=ring.block_kv, causal=ring.causal)
+            def grads(kv, dq):
+                return bw.attend_block_bwd(q_s, kv, pos_BC, seg_BC, do, lse_BKCG, delta, dq,
+                                           block_q=ring.block_q, block_kv=ring.block_kv,
+                                           causal=ring.causal)
+        else:
+            spec = ring.round_spec(q_BCHD.shape[2], hkv, q_BCHD.shape[3], has_seg)
+            query = fused.prepare(q_BCHD, pos_BC, seg_BC, spec)
+            do_f = fused.fold_rows(bw.to_q_major(dout_BCHD, hkv))
+            lse_f, delta_f = fused.fold_rows(lse_BKCG), fused.fold_rows(delta)
 
-        dq = jnp.zeros_like(q_s)  # zeros_like: varies over the same mesh axes as q
+            def grads(kv, dq):
+                return fused.grads(spec, query, kv, do_f, lse_f, delta_f, dq)
+
+        # zeros_like: varies over the same mesh axes as q
+        dq = jnp.zeros_like(bw.to_q_major(q_BCHD, hkv), dtype=jnp.float32)
         if n == 1:
             dq, dk, dv = grads(kv, dq)
         else:
@@ -274,4 +306,4 @@ def _backward_program(ring: _Ring, has_seg: bool):
 
     qspec = ring.spec("b", "s", "h", None)
     return jax.jit(jax.shard_map(local, mesh=ring.mesh, in_specs=_bwd_specs(ring, has_seg),
-                                 out_specs=(qspec, qspec, qspec)))
+                                 out_specs=(qspec, qspec, qspec), check_vma=ring.kernel == "xla"))

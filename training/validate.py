@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from model.decoder import DTYPES, REMAT
+from parallel import kernels
 from parallel.attention import tile_size
 from parallel.layouts import LAYOUTS, LayoutError, check as check_layout
 from parallel.mesh import MeshError, mesh_shape
@@ -20,8 +21,11 @@ def _need(ok: bool, msg: str):
         raise ConfigError(msg)
 
 
-def validate(config, num_devices: int) -> dict[str, int]:
-    """Checks every field a run depends on; returns the resolved mesh axis sizes."""
+def validate(config, num_devices: int, platform: str | None = None) -> dict[str, int]:
+    """Checks every field a run depends on; returns the resolved mesh axis sizes.
+
+    ``platform`` (cpu | gpu | tpu; None: the default backend's) decides what ``auto`` kernels
+    and their tile sizes resolve to."""
     m, a, d, t, k = config.model, config.attention, config.data, config.train, config.checkpoint
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
         _need(m[name] >= 1, f"model.{name}={m[name]} must be >= 1")
@@ -40,6 +44,10 @@ def validate(config, num_devices: int) -> dict[str, int]:
     _need(a.impl in IMPLS, f"attention.impl={a.impl!r} is not one of {', '.join(IMPLS)}")
     _need(a.layout in LAYOUTS, f"attention.layout={a.layout!r} is not one of {', '.join(LAYOUTS)}")
     _need(a.stripe >= 1, f"attention.stripe={a.stripe} must be >= 1")
+    _need(a.kernel in kernels.KERNELS,
+          f"attention.kernel={a.kernel!r} is not one of {', '.join(kernels.KERNELS)}")
+    for field in ("pallas_block_q", "pallas_block_kv"):
+        _need(a[field] >= 0, f"attention.{field}={a[field]} must be >= 0 (0: the kernel's default)")
 
     try:
         sizes = mesh_shape(config.mesh, num_devices)
@@ -62,12 +70,17 @@ def validate(config, num_devices: int) -> dict[str, int]:
         check_layout(a.layout, d.seq_len, n, a.stripe)
     except LayoutError as e:
         raise ConfigError(f"data.seq_len: {e}") from None
-    if a.impl == "ring":
-        for field in ("block_q", "block_kv"):
+    if platform is None:
+        import jax
+        platform = jax.devices()[0].platform
+    kernel = kernels.resolve(a.kernel, platform)
+    if a.impl == "ring" or kernel != "xla":
+        names = ("block_q", "block_kv") if kernel == "xla" else ("pallas_block_q", "pallas_block_kv")
+        for field, block in zip(names, kernels.tiles(kernel, a)):
             try:  # the kernel's own rule: a tile longer than the chunk is clamped to it
-                tile_size(f"attention.{field}", a[field], d.seq_len // n, d.seq_len, n)
+                tile_size(f"attention.{field}", block, d.seq_len // n, d.seq_len, n)
             except ValueError as e:
-                raise ConfigError(str(e)) from None
+                raise ConfigError(f"{e} [kernel {kernel}]") from None
     _need(0 < d.heldout_fraction < 1, f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
     _need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
 

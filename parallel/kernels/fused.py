@@ -1,0 +1,94 @@
+"""A fused (Pallas) kernel as one ring round: fold the layouts, call the kernel, merge rounds.
+
+The ring keeps the XLA kernel's fp32 accumulators (``blockwise.Acc``: numerator, running max,
+denominator). A fused forward returns one round's normalised output and logsumexp, which
+merge into them exactly: a round is an accumulator with ``m = lse`` and ``l = 1``. A round whose
+visit table is empty is skipped whole (no kernel launch).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from parallel import blockwise as bw
+from parallel.kernels import tables
+from parallel.kernels.spec import RoundSpec
+
+
+class Query(NamedTuple):
+    """This device's queries in the fused kernels' layout (rows ``c * G + g``)."""
+
+    q: jax.Array  # [B*K, C*G, D] input dtype, unscaled
+    pos_rows: jax.Array  # [B, C*G] int32
+    seg_rows: jax.Array | None  # [B, C*G] int32
+    pos: jax.Array  # [B, C] int32: for the visit tables
+    seg: jax.Array | None
+
+
+def _backend(spec: RoundSpec):
+    if spec.kernel == "pallas_gpu":
+        from parallel.kernels import pallas_gpu
+        return pallas_gpu
+    from parallel.kernels import pallas_tpu
+    return pallas_tpu
+
+
+def fold_rows(x_BKCG):
+    """``[B, K, C, G, ...] -> [B*K, C*G, ...]`` (a reshape: no copy)."""
+    b, k, c, g = x_BKCG.shape[:4]
+    return x_BKCG.reshape(b * k, c * g, *x_BKCG.shape[4:])
+
+
+def fold_kv(x_BKCD):
+    b, k = x_BKCD.shape[:2]
+    return x_BKCD.reshape(b * k, *x_BKCD.shape[2:])
+
+
+def prepare(q_BCHD, pos_BC, seg_BC, spec: RoundSpec) -> Query:
+    q_BKCGD = bw.to_q_major(q_BCHD, spec.kv_heads)
+    rep = lambda x: None if x is None else jnp.repeat(x, spec.group, axis=1)
+    return Query(fold_rows(q_BKCGD), rep(pos_BC), rep(seg_BC), pos_BC, seg_BC)
+
+
+def _visits(spec, query: Query, kv: bw.KV):
+    return tables.visits(query.pos, kv.pos, query.seg, kv.seg, block_q=spec.block_q,
+                         block_kv=spec.block_kv, causal=spec.causal)
+
+
+def attend(spec: RoundSpec, query: Query, kv: bw.KV, acc: bw.Acc) -> bw.Acc:
+    """Folds one arriving K/V block into the accumulators (``[B, K, C, G, ...]`` fp32)."""
+    t = _visits(spec, query, kv)
+
+    def run(acc):
+        o, lse = _backend(spec).forward(spec, t.by_q, query.q, fold_kv(kv.k), fold_kv(kv.v),
+                                        query.pos_rows, kv.pos, query.seg_rows, kv.seg)
+        return merge(acc, o.reshape(acc.o.shape), lse.reshape(acc.m.shape))
+
+    return lax.cond(t.any, run, lambda acc: acc, acc)
+
+
+def merge(acc: bw.Acc, o, lse) -> bw.Acc:
+    """Adds a round's normalised output ``o`` and logsumexp (-inf: saw nothing) exactly."""
+    m = jnp.maximum(acc.m, lse)  # finite: acc.m starts at -1e30
+    alpha, beta = jnp.exp(acc.m - m), jnp.exp(lse - m)
+    return bw.Acc(acc.o * alpha[..., None] + o * beta[..., None], m, acc.l * alpha + beta)
+
+
+def grads(spec: RoundSpec, query: Query, kv: bw.KV, do_f, lse_f, delta_f, dq_BKCGD):
+    """One round of the backward: ``dq`` (accumulated, unscaled, ``[B, K, C, G, D]``) and this
+    block's ``dk``/``dv`` ``[B, K, Ck, D]`` fp32. ``do_f``/``lse_f``/``delta_f`` are folded."""
+    t = _visits(spec, query, kv)
+    k, v = fold_kv(kv.k), fold_kv(kv.v)
+    args = (query.q, k, v, do_f, lse_f, delta_f, query.pos_rows, kv.pos, query.seg_rows, kv.seg)
+    zeros = jnp.zeros_like(kv.k, dtype=jnp.float32)
+
+    def run(dq):
+        be = _backend(spec)
+        dq = dq + be.backward_dq(spec, t.by_q, *args).reshape(dq.shape)
+        dk, dv = be.backward_dkv(spec, t.by_kv, *args)
+        return dq, dk.reshape(zeros.shape), dv.reshape(zeros.shape)
+
+    return lax.cond(t.any, run, lambda dq: (dq, zeros, zeros), dq_BKCGD)

@@ -1,0 +1,219 @@
+"""Fused ring-round attention for TPUs: Pallas, Mosaic backend.
+
+Same contract and layouts as ``pallas_gpu.py``; the schedule is the TPU one: the grid's last
+axis steps through the tiles of one row of the visit table, which goes in through scalar
+prefetch, so each step's K/V (or Q) tile index comes from the table and its DMA overlaps the
+previous step's compute. Steps past the row's range re-point at its last tile (no new DMA)
+and compute nothing; fp32 accumulators live in VMEM scratch across the steps.
+
+Positions and segment ids travel as ``[B, C*G, 1]`` (q side, rows on sublanes) and
+``[B, 1, Ck]`` (kv side, keys on lanes), so the mask is a broadcast compare in the tile's
+own layout; the row statistics (lse, delta) are ``[BK, C*G, 1]``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from parallel.kernels import flash
+from parallel.kernels.spec import RoundSpec
+
+
+def _row(tbl_ref, b, i, n, kh):
+    base = ((b // kh) * n + i) * 4
+    return tbl_ref[base], tbl_ref[base + 1], tbl_ref[base + 2], tbl_ref[base + 3]
+
+
+def _step_tile(tbl_ref, b, i, t, n, kh):
+    """The tile visited at step ``t`` of row ``i``: clamped into ``[lo, hi)`` (lo if empty)."""
+    lo, _, _, hi = _row(tbl_ref, b, i, n, kh)
+    return jnp.minimum(lo + t, jnp.maximum(hi - 1, lo))
+
+
+def _when_visited(tbl_ref, i, t, n, kh, compute):
+    """Runs ``compute(masked)`` if step ``t`` of row ``i`` is in its range."""
+    lo, flo, fhi, hi = _row(tbl_ref, pl.program_id(0), i, n, kh)
+    j = lo + t
+    unmasked = (j >= flo) & (j < fhi)
+    pl.when((j < hi) & unmasked)(lambda: compute(False))
+    pl.when((j < hi) & ~unmasked)(lambda: compute(True))
+
+
+def _split(refs, has_seg):
+    return (refs[0], refs[1], refs[2:]) if has_seg else (None, None, refs)
+
+
+def _call(kernel, spec: RoundSpec, grid, in_specs, out_specs, out_shape, scratch, args, name):
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch)
+    extra = {"interpret": True} if spec.interpret else {"compiler_params": pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"))}
+    return pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, name=name,
+                          **extra)(*args)
+
+
+def _columns(x):
+    return x[..., None]
+
+
+def _lanes(x_BC):
+    return x_BC[:, None, :]
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(tbl_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: RoundSpec, nq, nk):
+    qs_ref, ks_ref, (o_ref, lse_ref, o_acc, m_acc, l_acc) = _split(refs, spec.has_seg)
+    i, t = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _():
+        o_acc[...], m_acc[...], l_acc[...] = flash.fwd_init(*o_acc.shape)
+
+    def compute(masked):
+        vis = flash.mask(qp_ref[...], kp_ref[...], qs_ref[...] if spec.has_seg else None,
+                         ks_ref[...] if spec.has_seg else None, spec.causal) if masked else None
+        o_acc[...], m_acc[...], l_acc[...] = flash.fwd_update(
+            (o_acc[...], m_acc[...], l_acc[...]), q_ref[...], k_ref[...], v_ref[...], spec.scale, vis)
+
+    _when_visited(tbl_ref, i, t, nq, spec.kv_heads, compute)
+
+    @pl.when(t == nk - 1)
+    def _():
+        o_ref[...], lse_ref[...] = flash.fwd_finish(o_acc[...], m_acc[...], l_acc[...])
+
+
+def forward(spec: RoundSpec, table, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
+    bk_, rows, d = q.shape
+    ck = k.shape[1]
+    r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
+    nq, nk = rows // r, ck // bkv
+    kv_at = functools.partial(_step_tile, n=nq, kh=kh)
+    row_tile = pl.BlockSpec((None, r, d), lambda b, i, t, tbl: (b, i, 0))
+    kv_tile = pl.BlockSpec((None, bkv, d), lambda b, i, t, tbl: (b, kv_at(tbl, b, i, t), 0))
+    q_col = pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b // kh, i, 0))
+    k_lane = pl.BlockSpec((None, 1, bkv), lambda b, i, t, tbl: (b // kh, 0, kv_at(tbl, b, i, t)))
+    in_specs = [row_tile, kv_tile, kv_tile, q_col, k_lane]
+    args = [table.reshape(-1), q, k, v, _columns(q_pos), _lanes(k_pos)]
+    if spec.has_seg:
+        in_specs += [q_col, k_lane]
+        args += [_columns(q_seg), _lanes(k_seg)]
+    out_specs = (row_tile, pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b, i, 0)))
+    out_shape = (jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((bk_, rows, 1), jnp.float32))
+    scratch = [pltpu.VMEM((r, d), jnp.float32), pltpu.VMEM((r, 1), jnp.float32),
+               pltpu.VMEM((r, 1), jnp.float32)]
+    o, lse = _call(functools.partial(_fwd_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nq, nk),
+                   in_specs, out_specs, out_shape, scratch, args, "ring_round_fwd")
+    return o, lse[..., 0]
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _dq_kernel(tbl_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs,
+               spec: RoundSpec, nq, nk):
+    qs_ref, ks_ref, (dq_ref, dq_acc) = _split(refs, spec.has_seg)
+    i, t = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    def compute(masked):
+        vis = flash.mask(qp_ref[...], kp_ref[...], qs_ref[...] if spec.has_seg else None,
+                         ks_ref[...] if spec.has_seg else None, spec.causal) if masked else None
+        k = k_ref[...]
+        p = flash.probs(q_ref[...], k, lse_ref[...], spec.scale, vis)
+        ds = flash.grad_scores(p, do_ref[...], v_ref[...], delta_ref[...])
+        dq_acc[...] = flash.dq_update(dq_acc[...], ds, k)
+
+    _when_visited(tbl_ref, i, t, nq, spec.kv_heads, compute)
+
+    @pl.when(t == nk - 1)
+    def _():
+        dq_ref[...] = dq_acc[...]
+
+
+def _q_side_args(q, do, lse, delta, q_pos):
+    return [q, do, _columns(lse), _columns(delta), _columns(q_pos)]
+
+
+def backward_dq(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None,
+                k_seg=None):
+    """dQ contribution of one round, not yet multiplied by the softmax scale: ``[BK, Cq*G, D]``."""
+    bk_, rows, d = q.shape
+    ck = k.shape[1]
+    r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
+    nq, nk = rows // r, ck // bkv
+    kv_at = functools.partial(_step_tile, n=nq, kh=kh)
+    row_tile = pl.BlockSpec((None, r, d), lambda b, i, t, tbl: (b, i, 0))
+    row_col = pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b, i, 0))
+    kv_tile = pl.BlockSpec((None, bkv, d), lambda b, i, t, tbl: (b, kv_at(tbl, b, i, t), 0))
+    q_col = pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b // kh, i, 0))
+    k_lane = pl.BlockSpec((None, 1, bkv), lambda b, i, t, tbl: (b // kh, 0, kv_at(tbl, b, i, t)))
+    in_specs = [row_tile, kv_tile, kv_tile, row_tile, row_col, row_col, q_col, k_lane]
+    q_side = _q_side_args(q, do, lse, delta, q_pos)
+    args = [table.reshape(-1), q_side[0], k, v, *q_side[1:], _lanes(k_pos)]
+    if spec.has_seg:
+        in_specs += [q_col, k_lane]
+        args += [_columns(q_seg), _lanes(k_seg)]
+    return _call(functools.partial(_dq_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nq, nk),
+                 in_specs, row_tile, jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
+                 [pltpu.VMEM((r, d), jnp.float32)], args, "ring_round_dq")
+
+
+def _dkv_kernel(tbl_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs,
+                spec: RoundSpec, nq, nk):
+    qs_ref, ks_ref, (dk_ref, dv_ref, dk_acc, dv_acc) = _split(refs, spec.has_seg)
+    j, t = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    def compute(masked):
+        vis = flash.mask(qp_ref[...], kp_ref[...], qs_ref[...] if spec.has_seg else None,
+                         ks_ref[...] if spec.has_seg else None, spec.causal) if masked else None
+        q, do = q_ref[...], do_ref[...]
+        p = flash.probs(q, k_ref[...], lse_ref[...], spec.scale, vis)
+        ds = flash.grad_scores(p, do, v_ref[...], delta_ref[...])
+        dk_acc[...], dv_acc[...] = flash.dkv_update(dk_acc[...], dv_acc[...], p, ds, q, do)
+
+    _when_visited(tbl_ref, j, t, nk, spec.kv_heads, compute)
+
+    @pl.when(t == nq - 1)
+    def _():
+        dk_ref[...] = dk_acc[...] * spec.scale
+        dv_ref[...] = dv_acc[...]
+
+
+def backward_dkv(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None,
+                 k_seg=None):
+    """dK (w.r.t. the unscaled keys) and dV of one round: two fp32 ``[BK, Ck, D]``."""
+    bk_, rows, d = q.shape
+    ck = k.shape[1]
+    r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
+    nq, nk = rows // r, ck // bkv
+    q_at = functools.partial(_step_tile, n=nk, kh=kh)
+    row_tile = pl.BlockSpec((None, r, d), lambda b, j, t, tbl: (b, q_at(tbl, b, j, t), 0))
+    row_col = pl.BlockSpec((None, r, 1), lambda b, j, t, tbl: (b, q_at(tbl, b, j, t), 0))
+    kv_tile = pl.BlockSpec((None, bkv, d), lambda b, j, t, tbl: (b, j, 0))
+    q_col = pl.BlockSpec((None, r, 1), lambda b, j, t, tbl: (b // kh, q_at(tbl, b, j, t), 0))
+    k_lane = pl.BlockSpec((None, 1, bkv), lambda b, j, t, tbl: (b // kh, 0, j))
+    in_specs = [row_tile, kv_tile, kv_tile, row_tile, row_col, row_col, q_col, k_lane]
+    q_side = _q_side_args(q, do, lse, delta, q_pos)
+    args = [table.reshape(-1), q_side[0], k, v, *q_side[1:], _lanes(k_pos)]
+    if spec.has_seg:
+        in_specs += [q_col, k_lane]
+        args += [_columns(q_seg), _lanes(k_seg)]
+    out = jax.ShapeDtypeStruct((bk_, ck, d), jnp.float32)
+    scratch = [pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)]
+    return _call(functools.partial(_dkv_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nk, nq),
+                 in_specs, (kv_tile, kv_tile), (out, out), scratch, args, "ring_round_dkv")

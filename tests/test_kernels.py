@@ -1,0 +1,254 @@
+"""The fused per-round kernels (Pallas GPU / TPU) against the float64 reference.
+
+On a CPU both run in Pallas interpret mode; on a GPU/TPU host the native one runs for real
+(``STRIPEDJAX_PALLAS_INTERPRET=0`` forces real kernels everywhere). Shapes are small: a ring
+program compiles once per (kernel, ring size, heads, mask, dtype) and every layout reuses it,
+so the layouts are the cheap axis of the matrix.
+"""
+import itertools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallel import blockwise as bw
+from parallel import kernels
+from parallel.attention import context_parallel_attention
+from parallel.kernels import fused, tables
+from parallel.kernels.spec import RoundSpec
+from parallel.layouts import permutation
+from test_attention import (B, D, L, check, inputs, reference, rel_err, random_segments,
+                            ring_mesh, ring_outputs)
+
+PALLAS = ("pallas_gpu", "pallas_tpu")
+LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
+# Ring size x heads x mask x dtype. Every layout runs in every case. By default the cases cover
+# every pair of values (each pair of heads/mask/dtype at N=2, two opposite corners at N=1 and
+# 4) to keep the suite's time; STRIPEDJAX_FULL_KERNEL_MATRIX=1 runs the whole product (a GPU/TPU
+# host running the real kernels: scripts/device_check.sh does).
+if os.environ.get("STRIPEDJAX_FULL_KERNEL_MATRIX") == "1":
+    CASES = list(itertools.product((1, 2, 4), ("mha", "gqa4"), ("causal", "packed"),
+                                   ("float32", "bfloat16")))
+else:
+    CASES = [(2, "mha", "causal", "float32"), (2, "mha", "packed", "bfloat16"),
+             (2, "gqa4", "causal", "bfloat16"), (2, "gqa4", "packed", "float32"),
+             (1, "mha", "causal", "float32"), (1, "gqa4", "packed", "bfloat16"),
+             (4, "mha", "packed", "float32"), (4, "gqa4", "causal", "bfloat16")]
+HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy
+    print(f"numpy seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("kernel", PALLAS)
+def test_fused_ring_matches_reference(rng, kernel, case):
+    n, heads, mask, dtype = case
+    q, k, v, dout = inputs(rng, *HEADS[heads], dtype=jnp.dtype(dtype))
+    seg = random_segments(rng, B, L) if mask == "packed" else None
+    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+    want = reference(q, k, v, dout, pos, seg)
+    for layout, stripe in LAYOUTS:
+        got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
+                           segment_ids=seg, dtype=jnp.dtype(dtype), block_q=4, block_kv=8,
+                           kernel=kernel)
+        check(got, want, TOL[dtype])
+
+
+@pytest.mark.parametrize("kernel", PALLAS)
+def test_unordered_positions_stay_exact(rng, kernel):
+    """Positions in no particular order within a shard (a user's): the visit table's range then
+    includes skipped tiles, which run masked, so the answer is still exact."""
+    q, k, v, dout = inputs(rng, 4, 2)
+    seg = random_segments(rng, B, L)
+    pos = np.stack([rng.permutation(L) for _ in range(B)]).astype(np.int32)
+    order = np.argsort(pos, axis=1)  # the reference's natural order is by position
+    take = lambda x: np.take_along_axis(x, order[..., None, None], 1)
+    seg_sorted = np.take_along_axis(seg, order, 1)
+    want = reference(take(q), take(k), take(v), take(dout), np.sort(pos, 1), seg_sorted)
+    got = ring_outputs(q, k, v, dout, mesh=ring_mesh(2), layout="contiguous", positions=pos,
+                       segment_ids=np.take_along_axis(seg_sorted, np.argsort(order, 1), 1),
+                       block_q=4, block_kv=4, kernel=kernel)
+    check([take(g) for g in got], want, 1e-5)
+
+
+def test_auto_resolves_per_platform():
+    assert kernels.resolve("auto", "cpu") == "xla"
+    assert kernels.resolve("auto", "gpu") == "pallas_gpu"
+    assert kernels.resolve("auto", "tpu") == "pallas_tpu"
+    assert kernels.resolve("pallas_tpu", "cpu") == "pallas_tpu"
+    assert kernels.interpret("pallas_gpu", "cpu") and kernels.interpret("pallas_tpu", "gpu")
+    assert not kernels.interpret("xla", "cpu")
+    with pytest.raises(kernels.KernelError, match="valid: auto, xla, pallas_gpu, pallas_tpu"):
+        kernels.resolve("triton", "gpu")
+
+
+# ----------------------------------------------------------------------------- visit tables
+
+
+def _brute(q_pos, k_pos, q_seg, k_seg, bq, bk):
+    """[B, nq, nk] any-visible and all-visible per tile pair, from the elementwise mask."""
+    vis = bw.visible(q_pos, k_pos, q_seg, k_seg)  # [B, Cq, Ck]
+    t = vis.reshape(vis.shape[0], q_pos.shape[1] // bq, bq, k_pos.shape[1] // bk, bk)
+    return t.any((2, 4)), t.all((2, 4))
+
+
+def _covered(table, n_inner):
+    """[B, n_outer, n_inner] visited and unmasked masks from a (lo, flo, fhi, hi) table."""
+    j = np.arange(n_inner)
+    lo, flo, fhi, hi = (np.asarray(table)[..., i, None] for i in range(4))
+    return (j >= lo) & (j < hi), (j >= flo) & (j < fhi)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_visit_table_covers_every_visible_pair(rng, ordered):
+    """Every tile pair with a visible (q, k) pair is visited; every pair run unmasked is fully
+    visible (forward/dQ table and the transposed dK/dV table). On layout positions with packed
+    segments the visited set is exactly the predicate's computed tiles: no extra work."""
+    n, bq, bk = 4, 4, 2
+    seg = random_segments(rng, B, L, max_docs=6)
+    for layout in ("contiguous", "striped", "zigzag"):
+        perm = permutation(layout, L, n)
+        chunk = L // n
+        for d in range(n):
+            for src in range(n):
+                q_pos = np.broadcast_to(perm[d * chunk:(d + 1) * chunk], (B, chunk)).copy()
+                k_pos = np.broadcast_to(perm[src * chunk:(src + 1) * chunk], (B, chunk)).copy()
+                if not ordered:
+                    q_pos, k_pos = rng.permuted(q_pos, axis=1), rng.permuted(k_pos, axis=1)
+                q_seg = np.take_along_axis(seg, q_pos, 1)
+                k_seg = np.take_along_axis(seg, k_pos, 1)
+                t = tables.visits(jnp.asarray(q_pos), jnp.asarray(k_pos), jnp.asarray(q_seg),
+                                  jnp.asarray(k_seg), block_q=bq, block_kv=bk)
+                some, every = _brute(q_pos, k_pos, q_seg, k_seg, bq, bk)
+                for table, s, e in ((t.by_q, some, every),
+                                    (t.by_kv, some.transpose(0, 2, 1), every.transpose(0, 2, 1))):
+                    visited, unmasked = _covered(table, s.shape[-1])
+                    assert np.all(visited[s]), "a tile with a visible pair is not visited"
+                    assert np.all(e[unmasked]), "a tile run without the mask has a hidden pair"
+                    if ordered:
+                        cases = np.stack([bw.tile_cases(q_pos[r], k_pos[r], q_seg[r], k_seg[r],
+                                                        block_q=bq, block_kv=bk) for r in range(B)])
+                        if table is t.by_kv:
+                            cases = cases.transpose(0, 2, 1)
+                        assert np.array_equal(visited, cases != bw.SKIP)
+                        assert np.array_equal(unmasked, cases == bw.FULL)
+                # an empty round is skipped whole only when nothing is visible
+                assert bool(t.any) >= bool(some.any())
+                if ordered:
+                    assert bool(t.any) == bool(some.any())
+
+
+# ----------------------------------------------------------------------------- edge rows
+
+
+def _spec(kernel, hq, hkv, has_seg=True, bq=8, bk=4):
+    return RoundSpec(kernel, bq, bk, hq // hkv, hkv, D, 1.0 / math.sqrt(D), True, has_seg,
+                     kernels.interpret(kernel, jax.devices()[0].platform))
+
+
+@pytest.mark.parametrize("kernel", PALLAS)
+def test_rows_with_no_visible_key_and_empty_rounds(rng, kernel):
+    """A round with nothing visible changes nothing; rows whose keys come in a later block stay
+    exact and NaN-free; with the global lse of a row that saw no key (+inf) every gradient is
+    finite and that row's dQ is exactly 0."""
+    c, hq, hkv = 16, 4, 2
+    spec = _spec(kernel, hq, hkv)
+    q = rng.standard_normal((1, c, hq, D)).astype(np.float32)
+    kv = [rng.standard_normal((1, c, hkv, D)).astype(np.float32) for _ in range(6)]
+    q_pos = jnp.arange(c, 2 * c, dtype=jnp.int32)[None]
+    q_seg = jnp.asarray(np.where(np.arange(c) % 8 == 0, 1, 0), jnp.int32)[None]  # rows 0, 8: doc 1
+    block = lambda k, v, pos, seg: bw.KV(bw.to_kv_major(jnp.asarray(k)), bw.to_kv_major(jnp.asarray(v)),
+                                         jnp.asarray(pos, jnp.int32)[None], jnp.asarray(seg, jnp.int32)[None])
+    a = block(kv[0], kv[1], np.arange(c), np.zeros(c))
+    b = block(kv[2], kv[3], np.arange(c), np.ones(c))
+    future = block(kv[4], kv[5], np.arange(2 * c, 3 * c), np.zeros(c))
+    query = fused.prepare(jnp.asarray(q), q_pos, q_seg, spec)
+    acc0 = bw.init_acc(bw.to_q_major(jnp.asarray(q), hkv).astype(jnp.float32))
+
+    assert not bool(fused._visits(spec, query, future).any)
+    after_future = fused.attend(spec, query, future, acc0)
+    for x, y in zip(after_future, acc0):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+    acc = fused.attend(spec, query, a, acc0)
+    out_a, lse_a = bw.finalize(acc)
+    lonely = np.asarray(q_seg[0] == 1)
+    assert np.all(np.isfinite(np.asarray(acc.o))) and np.all(np.isfinite(np.asarray(acc.m)))
+    assert np.all(np.asarray(bw.from_q_major(out_a))[0, lonely] == 0)
+    assert np.all(np.isinf(np.asarray(lse_a)[0, :, lonely]))
+
+    out, _ = bw.finalize(fused.attend(spec, query, b, acc))
+    k_all, v_all = np.concatenate([kv[0], kv[2]], 1), np.concatenate([kv[1], kv[3]], 1)
+    s = np.einsum("qhd,khd->hqk", q[0].astype(np.float64), np.repeat(k_all[0], 2, 1)) / math.sqrt(D)
+    vis = np.concatenate([np.zeros(c), np.ones(c)])[None, :] == np.asarray(q_seg[0])[:, None]
+    p = np.exp(np.where(vis[None], s, -np.inf) - s.max(-1, keepdims=True))
+    want = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.repeat(v_all[0], 2, 1))
+    assert rel_err(bw.from_q_major(out)[0], want) < 1e-5
+
+    # backward with only block A seen: the lonely rows' lse is +inf
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    do_f = fused.fold_rows(bw.to_q_major(jnp.asarray(do), hkv))
+    delta = jnp.sum(bw.to_q_major(jnp.asarray(do), hkv) * out_a, -1)
+    dq0 = jnp.zeros_like(acc0.o)
+    dq, dk, dv = fused.grads(spec, query, a, do_f, fused.fold_rows(lse_a), fused.fold_rows(delta), dq0)
+    for g in (dq, dk, dv):
+        assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(bw.from_q_major(dq))[0, lonely] == 0)
+    # and it agrees with the XLA kernel's backward on the same inputs
+    q_s = bw.to_q_major(jnp.asarray(q), hkv) / math.sqrt(D)
+    do_q = bw.to_q_major(jnp.asarray(do), hkv)
+    want_dq, want_dk, want_dv = bw.attend_block_bwd(q_s, a, q_pos, q_seg, do_q, lse_a, delta, dq0,
+                                                    block_q=8, block_kv=4)
+    for g, w in ((dq, want_dq), (dk, want_dk), (dv, want_dv)):
+        assert rel_err(g, w) < 1e-5
+
+
+# ----------------------------------------------------------------------------- Mosaic lowering
+
+
+def test_tpu_kernels_lower_to_mosaic():
+    """The TPU kernels go through Mosaic's lowering rules (not interpret mode): every primitive
+    they use has a TPU lowering. A CPU has no TPU to tell the chip, so v5e's is given; Mosaic's
+    own layout passes run later, in the TPU compiler, and are not checked here."""
+    from jax._src.pallas.mosaic import tpu_info
+    from parallel.kernels import pallas_tpu
+    kind = jax.devices()[0].device_kind
+    tpu_info.registry.setdefault(kind, lambda: tpu_info.get_tpu_info_for_chip(
+        tpu_info.ChipVersion.TPU_V5E, 1))
+    g, kh, c = 2, 2, 1024
+    spec = RoundSpec("pallas_tpu", 128, 128, g, kh, 128, 128 ** -0.5, True, True, False)
+    sds = jax.ShapeDtypeStruct
+    q, k = sds((kh, c * g, 128), jnp.bfloat16), sds((kh, c, 128), jnp.bfloat16)
+    table, rows = sds((1, c // 128, 4), jnp.int32), sds((1, c * g), jnp.int32)
+    keys, vec = sds((1, c), jnp.int32), sds((kh, c * g), jnp.float32)
+    calls = [(pallas_tpu.forward, (table, q, k, k, rows, keys, rows, keys)),
+             (pallas_tpu.backward_dq, (table, q, k, k, q, vec, vec, rows, keys, rows, keys)),
+             (pallas_tpu.backward_dkv, (table, q, k, k, q, vec, vec, rows, keys, rows, keys))]
+    for f, args in calls:
+        text = jax.jit(lambda *a, f=f: f(spec, *a)).trace(*args).lower(
+            lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text, f.__name__
+
+
+# ----------------------------------------------------------------------------- dense via fused
+
+
+def test_dense_impl_uses_the_fused_kernel(rng):
+    """attention.impl=dense with a Pallas kernel runs it as a ring of one, equal to XLA dense."""
+    from model.layers import AttentionBackend
+    q, k, v, _ = inputs(rng, 4, 2)
+    seg = jnp.asarray(random_segments(rng, B, L))
+    fused_dense = AttentionBackend(impl="dense", kernel="pallas_gpu", block_q=8, block_kv=8)
+    assert fused_dense._fused_dense()
+    got = fused_dense(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seg)
+    want = AttentionBackend(impl="dense")(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seg)
+    assert rel_err(got, want) < 1e-5
