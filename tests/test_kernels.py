@@ -38,6 +38,12 @@ else:
              (1, "mha", "causal", "float32"), (1, "gqa4", "packed", "bfloat16"),
              (4, "mha", "packed", "float32"), (4, "gqa4", "causal", "bfloat16")]
 HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
+
+
+def tiles(kernel):
+    """Small tiles in interpret mode (many tiles per chunk); Triton's dots need 16 and more."""
+    real = not kernels.interpret(kernel, jax.devices()[0].platform)
+    return (16, 16) if real else (4, 8)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
@@ -57,8 +63,9 @@ def test_fused_ring_matches_reference(rng, kernel, case):
     pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
     want = reference(q, k, v, dout, pos, seg)
     for layout, stripe in LAYOUTS:
+        bq, bk = tiles(kernel)
         got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
-                           segment_ids=seg, dtype=jnp.dtype(dtype), block_q=4, block_kv=8,
+                           segment_ids=seg, dtype=jnp.dtype(dtype), block_q=bq, block_kv=bk,
                            kernel=kernel)
         check(got, want, TOL[dtype])
 
@@ -150,9 +157,10 @@ def test_visit_table_covers_every_visible_pair(rng, ordered):
 # ----------------------------------------------------------------------------- edge rows
 
 
-def _spec(kernel, hq, hkv, has_seg=True, bq=8, bk=4):
-    return RoundSpec(kernel, bq, bk, hq // hkv, hkv, D, 1.0 / math.sqrt(D), True, has_seg,
-                     kernels.interpret(kernel, jax.devices()[0].platform))
+def _spec(kernel, hq, hkv, has_seg=True):
+    interp = kernels.interpret(kernel, jax.devices()[0].platform)
+    return RoundSpec(kernel, 8, 4 if interp else 16, hq // hkv, hkv, D, 1.0 / math.sqrt(D), True,
+                     has_seg, interp)
 
 
 @pytest.mark.parametrize("kernel", PALLAS)
@@ -247,8 +255,37 @@ def test_dense_impl_uses_the_fused_kernel(rng):
     from model.layers import AttentionBackend
     q, k, v, _ = inputs(rng, 4, 2)
     seg = jnp.asarray(random_segments(rng, B, L))
-    fused_dense = AttentionBackend(impl="dense", kernel="pallas_gpu", block_q=8, block_kv=8)
+    fused_dense = AttentionBackend(impl="dense", kernel="pallas_gpu", block_q=8, block_kv=16)
     assert fused_dense._fused_dense()
     got = fused_dense(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seg)
     want = AttentionBackend(impl="dense")(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seg)
     assert rel_err(got, want) < 1e-5
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def test_bench_kernels_runs_and_agrees(tmp_path):
+    """scripts/bench_kernels.py stays working on a CPU (interpret mode, tiny sizes): a row per
+    kernel and case, every kernel's output equal to xla's to bf16 rounding, and the causal
+    fractions exact (the diagonal's (C+1)/2C; the striped round's strictly lower (C-1)/2C)."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--chunks", "32",
+           "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--block", "8", "--xla-block", "8",
+           "--repeats", "1", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| chunk | case | kernel |" in res.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["kernel"]) for r in rows] == [
+        ("diagonal", "xla"), ("diagonal", "pallas_gpu"), ("striped", "xla"), ("striped", "pallas_gpu")]
+    c = 32
+    for r in rows:
+        want = (c + 1) / (2 * c) if r["case"] == "diagonal" else (c - 1) / (2 * c)
+        assert r["visible_fraction"] == want
+        assert r["max_err_vs_first"] < 2e-2 and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0

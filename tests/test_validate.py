@@ -44,12 +44,28 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"model__remat": "some"}, 8, "model.remat='some' is not one of none, attention, full, offload"),
     ({"wandb__mode": "cloud"}, 8, "wandb.mode='cloud' is not one of disabled, offline, online"),
     ({}, 1, "has 8 devices but 1 are available"),
+    ({"attention__kernel": "triton"}, 8, "attention.kernel='triton' is not one of auto, xla, pallas_gpu, pallas_tpu"),
+    ({"attention__kernel": "pallas_gpu", "attention__pallas_block_q": 48}, 8, "attention.pallas_block_q=48 does not divide the per-device chunk of 128 tokens"),
+    ({"attention__pallas_block_kv": -1}, 8, "attention.pallas_block_kv=-1 must be >= 0 (0: the kernel's default)"),
 ])
 def test_bad_value_gives_one_clear_line(overrides, devices, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg(**overrides), devices)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_auto_kernel_tiles_follow_the_platform():
+    """auto resolves per platform, and so do the tile fields that get checked: the xla tile is
+    not looked at when a GPU would run the Pallas kernel, and vice versa."""
+    c = cfg(attention__block_q=48)  # bad for xla only
+    with pytest.raises(ConfigError, match="attention.block_q=48"):
+        validate(c, 8, platform="cpu")
+    validate(c, 8, platform="gpu")
+    c = cfg(attention__pallas_block_q=48)  # bad for the Pallas kernels only
+    validate(c, 8, platform="cpu")
+    with pytest.raises(ConfigError, match=r"attention.pallas_block_q=48 .*\[kernel pallas_tpu\]"):
+        validate(c, 8, platform="tpu")
 
 
 @pytest.mark.parametrize("flag,message", [
