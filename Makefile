@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean device-wheels
 
 $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,3 +21,10 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Wheels a lent GPU host lacks (Python 3.12, no network there): scripts/device_check.sh installs
+# them from .whl/ (carry .whl with the working tree).
+device-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  ml_collections==1.1.0 PyYAML==6.0.2
