@@ -36,8 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Per-round kernel: auto picks the fused Pallas kernel of the platform (GPU: Triton, TPU:
     # Mosaic) and xla on a CPU; a Pallas value on a CPU runs in interpret mode (exact, slow).
     a.kernel = "auto"  # auto | xla | pallas_gpu | pallas_tpu
-    a.pallas_block_q = 0  # Pallas q tile in positions (x query heads per kv head = rows); 0: GPU 64, TPU 512
-    a.pallas_block_kv = 0  # Pallas kv tile in positions; 0: GPU 64, TPU 512 (block_q/kv above are xla's)
+    # GQA folds the query heads of one kv head into a q tile's rows: rows = block_q x heads/kv_heads.
+    a.pallas_block_q = 0  # Pallas q tile in positions; 0: 64 rows on GPU, 512 on TPU
+    a.pallas_block_kv = 0  # Pallas kv tile in positions; 0: 64 on GPU, 512 on TPU (block_q/kv: xla's)
     # With the mask, a step's work depends on where its documents start, and only a finely
     # interleaved layout (striped) stays balanced for any boundaries; without it every step
     # costs the same (scripts/compare_layouts.py --document-mask shows both).

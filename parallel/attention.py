@@ -131,7 +131,7 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     chunk = length // n
     platform = kernels.platform_of(mesh)
     kernel = kernels.resolve(kernel, platform)
-    default_q, default_kv = kernels.DEFAULT_BLOCKS[kernel]
+    default_q, default_kv = kernels.default_tiles(kernel, hq // hkv)
     ring = _Ring(mesh, axis, batch_axes, head_axis, bool(causal),
                  tile_size("block_q", block_q or default_q, chunk, length, n),
                  tile_size("block_kv", block_kv or default_kv, chunk, length, n),

@@ -99,7 +99,7 @@ def build(kernel, args, chunk, case, platform):
             return bw.attend_block_bwd(q_s, kv, q_pos, None, do_q, lse, delta, jnp.zeros_like(q_s),
                                        block_q=blk, block_kv=blk)
     else:
-        bq, bk = (args.block, args.block) if args.block else kernels.DEFAULT_BLOCKS[kernel]
+        bq, bk = (args.block, args.block) if args.block else kernels.default_tiles(kernel, hq // hkv)
         spec = RoundSpec(kernel, min(bq, chunk), min(bk, chunk), hq // hkv, hkv, d, scale, True,
                          False, kernels.interpret(kernel, platform))
 

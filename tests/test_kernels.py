@@ -289,3 +289,27 @@ def test_bench_kernels_runs_and_agrees(tmp_path):
         want = (c + 1) / (2 * c) if r["case"] == "diagonal" else (c - 1) / (2 * c)
         assert r["visible_fraction"] == want
         assert r["max_err_vs_first"] < 2e-2 and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_train_with_the_pallas_kernel_matches_xla(tmp_path):
+    """train.py on the tiny config (ring of 4, striped, GQA, packed documents) with
+    attention.kernel=pallas_gpu (interpret mode here) gives the losses of the xla kernel: the
+    second step's loss depends on the first step's gradients, so both directions are checked."""
+    import json
+    from test_train_e2e import run_train
+    losses = {}
+    for kernel in ("xla", "pallas_gpu"):
+        workdir = tmp_path / kernel
+        proc = run_train(workdir, f"--config.attention.kernel={kernel}",
+                         "--config.train.eval_batches=0", "--config.checkpoint.every=0")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+        losses[kernel] = np.array([r["loss"] for r in records])
+        assert json.loads((workdir / "config.json").read_text())["attention"]["kernel"] == kernel
+        note = "kernel pallas_gpu (Pallas interpret mode" if kernel != "xla" else "kernel xla;"
+        assert note in proc.stdout + proc.stderr
+    assert len(losses["xla"]) == 2
+    np.testing.assert_allclose(losses["pallas_gpu"], losses["xla"], rtol=1e-5)

@@ -59,6 +59,15 @@ def forget_after(workdir: pathlib.Path, step: int):
             path.write_text("".join(kept))
 
 
+def kernel_note(config, mesh) -> str:
+    """The per-round attention kernel this run resolves to, and whether it is interpreted."""
+    from model.decoder import backend_from_config
+    from parallel import kernels
+    kernel = backend_from_config(config, mesh).kernel
+    interpreted = kernels.interpret(kernel, kernels.platform_of(mesh))
+    return kernel + (" (Pallas interpret mode: exact but slow)" if interpreted else "")
+
+
 def evaluate(trainer: Trainer, params, batches) -> dict:
     totals = [trainer.eval_step(params, b) for b in batches]
     loss_sum = sum(float(t["loss_sum"]) for t in totals)
@@ -108,7 +117,8 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     peak = peak_flops_total(override_tflops=t.peak_tflops)
     log.write(f"model: {param_count(m) / 1e6:.1f}M params, {flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
-              f"{config.attention.layout}; {tokens_per_step} tokens/step; workdir {workdir}")
+              f"{config.attention.layout}, kernel {kernel_note(config, mesh)}; "
+              f"{tokens_per_step} tokens/step; workdir {workdir}")
 
     heldout = pipe.heldout_batches(t.eval_batches) if t.eval_batches else []
     evals = []

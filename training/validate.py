@@ -76,7 +76,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     kernel = kernels.resolve(a.kernel, platform)
     if a.impl == "ring" or kernel != "xla":
         names = ("block_q", "block_kv") if kernel == "xla" else ("pallas_block_q", "pallas_block_kv")
-        for field, block in zip(names, kernels.tiles(kernel, a)):
+        for field, block in zip(names, kernels.tiles(kernel, a, m.num_heads // m.num_kv_heads)):
             try:  # the kernel's own rule: a tile longer than the chunk is clamped to it
                 tile_size(f"attention.{field}", block, d.seq_len // n, d.seq_len, n)
             except ValueError as e:

@@ -20,8 +20,8 @@ KERNELS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 NATIVE_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 AUTO = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}
 
-# Default tile sizes (positions of one sequence; GQA folds the query heads of one kv head
-# into the rows, so a q tile is block_q * (Hq / Hkv) rows). Triton keeps a tile in
+# Default tiles: (q rows, kv positions). GQA folds the query heads of one kv head into the rows
+# of a q tile, so a Pallas q tile of R rows covers R / G positions. Triton keeps a tile in
 # registers and wants small ones; Mosaic streams large tiles through VMEM.
 DEFAULT_BLOCKS = {"xla": (512, 512), "pallas_gpu": (64, 64), "pallas_tpu": (512, 512)}
 
@@ -47,11 +47,17 @@ def resolve(kernel: str, platform: str) -> str:
     return kernel
 
 
-def tiles(kernel: str, attention) -> tuple[int, int]:
+def default_tiles(kernel: str, group: int = 1) -> tuple[int, int]:
+    """(block_q, block_kv) in positions for a resolved kernel and ``group`` query heads per kv head."""
+    rows, kv = DEFAULT_BLOCKS[kernel]
+    return (rows if kernel == "xla" else max(1, rows // group)), kv
+
+
+def tiles(kernel: str, attention, group: int = 1) -> tuple[int, int]:
     """(block_q, block_kv) a resolved kernel uses, from the ``attention`` config section."""
     if kernel == "xla":
         return attention.block_q, attention.block_kv
-    default_q, default_kv = DEFAULT_BLOCKS[kernel]
+    default_q, default_kv = default_tiles(kernel, group)
     return (attention.get("pallas_block_q", 0) or default_q,
             attention.get("pallas_block_kv", 0) or default_kv)
 
