@@ -43,6 +43,37 @@ def _seg_refs(refs, has_seg):
     return (refs[0], refs[1], refs[2:]) if has_seg else (None, None, refs)
 
 
+class _Blocks:
+    """The BlockSpecs of one kernel on grid ``(outer, b)``: the outer axis walks q tiles
+    (forward, dQ: the whole kv chunk per program) or kv tiles (dK/dV: all the q rows)."""
+
+    def __init__(self, spec: RoundSpec, rows, ck, d, outer_is_q: bool):
+        kh = spec.kv_heads
+        qb, kb = (spec.block_q * spec.group, ck) if outer_is_q else (rows, spec.block_kv)
+        qi = (lambda o: o) if outer_is_q else (lambda o: 0)
+        ki = (lambda o: 0) if outer_is_q else (lambda o: o)
+        self.grid_outer = rows // qb if outer_is_q else ck // kb
+        self.table = pl.BlockSpec((None, None, 4), lambda o, b: (b // kh, o, 0))
+        self.rows = pl.BlockSpec((None, qb, d), lambda o, b: (b, qi(o), 0))
+        self.row_stat = pl.BlockSpec((None, qb), lambda o, b: (b, qi(o)))
+        self.kv = pl.BlockSpec((None, kb, d), lambda o, b: (b, ki(o), 0))
+        self.q_vec = pl.BlockSpec((None, qb), lambda o, b: (b // kh, qi(o)))
+        self.k_vec = pl.BlockSpec((None, kb), lambda o, b: (b // kh, ki(o)))
+
+    def inputs(self, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, bwd=()):
+        """(in_specs, args): table, q, k, v, [do, lse, delta], positions, [segment ids]."""
+        specs, args = [self.table, self.rows, self.kv, self.kv], [table, q, k, v]
+        if bwd:
+            specs += [self.rows, self.row_stat, self.row_stat]
+            args += list(bwd)
+        specs += [self.q_vec, self.k_vec]
+        args += [q_pos, k_pos]
+        if spec.has_seg:
+            specs += [self.q_vec, self.k_vec]
+            args += [q_seg, k_seg]
+        return specs, args
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -71,25 +102,13 @@ def _fwd_kernel(t_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: RoundSp
 
 def forward(spec: RoundSpec, table, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
     bk_, rows, d = q.shape
-    ck = k.shape[1]
-    r, kh = spec.block_q * spec.group, spec.kv_heads
-    grid = (rows // r, bk_)
-    row_tile = pl.BlockSpec((None, r, d), lambda i, b: (b, i, 0))
-    whole_kv = pl.BlockSpec((None, ck, d), lambda i, b: (b, 0, 0))
-    in_specs = [pl.BlockSpec((None, None, 4), lambda i, b: (b // kh, i, 0)), row_tile, whole_kv,
-                whole_kv, pl.BlockSpec((None, r), lambda i, b: (b // kh, i)),
-                pl.BlockSpec((None, ck), lambda i, b: (b // kh, 0))]
-    args = [table, q, k, v, q_pos, k_pos]
-    if spec.has_seg:
-        in_specs += in_specs[-2:]
-        args += [q_seg, k_seg]
+    blocks = _Blocks(spec, rows, k.shape[1], d, outer_is_q=True)
+    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg)
     out_shape = (jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
                  jax.ShapeDtypeStruct((bk_, rows), jnp.float32))
-    out_specs = (pl.BlockSpec((None, r, d), lambda i, b: (b, i, 0)),
-                 pl.BlockSpec((None, r), lambda i, b: (b, i)))
-    return pl.pallas_call(functools.partial(_fwd_kernel, spec=spec), grid=grid, in_specs=in_specs,
-                          out_specs=out_specs, out_shape=out_shape, name="ring_round_fwd",
-                          **_params(spec))(*args)
+    return pl.pallas_call(functools.partial(_fwd_kernel, spec=spec), grid=(blocks.grid_outer, bk_),
+                          in_specs=in_specs, out_specs=(blocks.rows, blocks.row_stat),
+                          out_shape=out_shape, name="ring_round_fwd", **_params(spec))(*args)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -123,22 +142,11 @@ def backward_dq(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q
                 k_seg=None):
     """dQ contribution of one round, not yet multiplied by the softmax scale: ``[BK, Cq*G, D]``."""
     bk_, rows, d = q.shape
-    ck = k.shape[1]
-    r, kh = spec.block_q * spec.group, spec.kv_heads
-    row_tile = pl.BlockSpec((None, r, d), lambda i, b: (b, i, 0))
-    row_vec = pl.BlockSpec((None, r), lambda i, b: (b, i))
-    whole_kv = pl.BlockSpec((None, ck, d), lambda i, b: (b, 0, 0))
-    in_specs = [pl.BlockSpec((None, None, 4), lambda i, b: (b // kh, i, 0)), row_tile, whole_kv,
-                whole_kv, row_tile, row_vec, row_vec,
-                pl.BlockSpec((None, r), lambda i, b: (b // kh, i)),
-                pl.BlockSpec((None, ck), lambda i, b: (b // kh, 0))]
-    args = [table, q, k, v, do, lse, delta, q_pos, k_pos]
-    if spec.has_seg:
-        in_specs += in_specs[-2:]
-        args += [q_seg, k_seg]
+    blocks = _Blocks(spec, rows, k.shape[1], d, outer_is_q=True)
+    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
     return pl.pallas_call(
-        functools.partial(_dq_kernel, spec=spec), grid=(rows // r, bk_), in_specs=in_specs,
-        out_specs=row_tile, out_shape=jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
+        functools.partial(_dq_kernel, spec=spec), grid=(blocks.grid_outer, bk_), in_specs=in_specs,
+        out_specs=blocks.rows, out_shape=jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
         name="ring_round_dq", **_params(spec))(*args)
 
 
@@ -174,20 +182,10 @@ def backward_dkv(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, 
     """dK (w.r.t. the unscaled keys) and dV of one round: two fp32 ``[BK, Ck, D]``."""
     bk_, rows, d = q.shape
     ck = k.shape[1]
-    bkv, kh = spec.block_kv, spec.kv_heads
-    whole_rows = pl.BlockSpec((None, rows, d), lambda j, b: (b, 0, 0))
-    whole_vec = pl.BlockSpec((None, rows), lambda j, b: (b, 0))
-    kv_tile = pl.BlockSpec((None, bkv, d), lambda j, b: (b, j, 0))
-    in_specs = [pl.BlockSpec((None, None, 4), lambda j, b: (b // kh, j, 0)), whole_rows, kv_tile,
-                kv_tile, whole_rows, whole_vec, whole_vec,
-                pl.BlockSpec((None, rows), lambda j, b: (b // kh, 0)),
-                pl.BlockSpec((None, bkv), lambda j, b: (b // kh, j))]
-    args = [table, q, k, v, do, lse, delta, q_pos, k_pos]
-    if spec.has_seg:
-        in_specs += in_specs[-2:]
-        args += [q_seg, k_seg]
+    blocks = _Blocks(spec, rows, ck, d, outer_is_q=False)
+    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
     out = jax.ShapeDtypeStruct((bk_, ck, d), jnp.float32)
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, spec=spec), grid=(ck // bkv, bk_), in_specs=in_specs,
-        out_specs=(kv_tile, kv_tile), out_shape=(out, out), name="ring_round_dkv",
+        functools.partial(_dkv_kernel, spec=spec), grid=(blocks.grid_outer, bk_), in_specs=in_specs,
+        out_specs=(blocks.kv, blocks.kv), out_shape=(out, out), name="ring_round_dkv",
         **_params(spec))(*args)

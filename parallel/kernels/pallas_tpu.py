@@ -64,6 +64,38 @@ def _lanes(x_BC):
     return x_BC[:, None, :]
 
 
+class _Blocks:
+    """The BlockSpecs of one kernel, from where a grid step ``(b, outer, t)`` finds its q tile
+    and its kv tile (``q_at`` / ``kv_at``: ``(tbl, b, outer, t) -> tile index``)."""
+
+    def __init__(self, spec: RoundSpec, d, q_at, kv_at):
+        r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
+        self.rows = pl.BlockSpec((None, r, d), lambda b, o, t, tbl: (b, q_at(tbl, b, o, t), 0))
+        self.row_stat = pl.BlockSpec((None, r, 1), lambda b, o, t, tbl: (b, q_at(tbl, b, o, t), 0))
+        self.kv = pl.BlockSpec((None, bkv, d), lambda b, o, t, tbl: (b, kv_at(tbl, b, o, t), 0))
+        self.q_col = pl.BlockSpec((None, r, 1), lambda b, o, t, tbl: (b // kh, q_at(tbl, b, o, t), 0))
+        self.k_lane = pl.BlockSpec((None, 1, bkv), lambda b, o, t, tbl: (b // kh, 0, kv_at(tbl, b, o, t)))
+
+    def inputs(self, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, bwd=()):
+        """(in_specs, args): q, k, v, [do, lse, delta], positions, [segment ids]."""
+        specs = [self.rows, self.kv, self.kv]
+        args = [table.reshape(-1), q, k, v]
+        if bwd:
+            do, lse, delta = bwd
+            specs += [self.rows, self.row_stat, self.row_stat]
+            args += [do, _columns(lse), _columns(delta)]
+        specs += [self.q_col, self.k_lane]
+        args += [_columns(q_pos), _lanes(k_pos)]
+        if spec.has_seg:
+            specs += [self.q_col, self.k_lane]
+            args += [_columns(q_seg), _lanes(k_seg)]
+        return specs, args
+
+
+def _outer(tbl, b, o, t):
+    return o
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -90,26 +122,17 @@ def _fwd_kernel(tbl_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: Round
 
 def forward(spec: RoundSpec, table, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
     bk_, rows, d = q.shape
-    ck = k.shape[1]
-    r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
-    nq, nk = rows // r, ck // bkv
-    kv_at = functools.partial(_step_tile, n=nq, kh=kh)
-    row_tile = pl.BlockSpec((None, r, d), lambda b, i, t, tbl: (b, i, 0))
-    kv_tile = pl.BlockSpec((None, bkv, d), lambda b, i, t, tbl: (b, kv_at(tbl, b, i, t), 0))
-    q_col = pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b // kh, i, 0))
-    k_lane = pl.BlockSpec((None, 1, bkv), lambda b, i, t, tbl: (b // kh, 0, kv_at(tbl, b, i, t)))
-    in_specs = [row_tile, kv_tile, kv_tile, q_col, k_lane]
-    args = [table.reshape(-1), q, k, v, _columns(q_pos), _lanes(k_pos)]
-    if spec.has_seg:
-        in_specs += [q_col, k_lane]
-        args += [_columns(q_seg), _lanes(k_seg)]
-    out_specs = (row_tile, pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b, i, 0)))
+    r = spec.block_q * spec.group
+    nq, nk = rows // r, k.shape[1] // spec.block_kv
+    blocks = _Blocks(spec, d, _outer, functools.partial(_step_tile, n=nq, kh=spec.kv_heads))
+    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg)
     out_shape = (jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
                  jax.ShapeDtypeStruct((bk_, rows, 1), jnp.float32))
     scratch = [pltpu.VMEM((r, d), jnp.float32), pltpu.VMEM((r, 1), jnp.float32),
                pltpu.VMEM((r, 1), jnp.float32)]
     o, lse = _call(functools.partial(_fwd_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nq, nk),
-                   in_specs, out_specs, out_shape, scratch, args, "ring_round_fwd")
+                   in_specs, (blocks.rows, blocks.row_stat), out_shape, scratch, args,
+                   "ring_round_fwd")
     return o, lse[..., 0]
 
 
@@ -140,31 +163,16 @@ def _dq_kernel(tbl_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref,
         dq_ref[...] = dq_acc[...]
 
 
-def _q_side_args(q, do, lse, delta, q_pos):
-    return [q, do, _columns(lse), _columns(delta), _columns(q_pos)]
-
-
 def backward_dq(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None,
                 k_seg=None):
     """dQ contribution of one round, not yet multiplied by the softmax scale: ``[BK, Cq*G, D]``."""
     bk_, rows, d = q.shape
-    ck = k.shape[1]
-    r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
-    nq, nk = rows // r, ck // bkv
-    kv_at = functools.partial(_step_tile, n=nq, kh=kh)
-    row_tile = pl.BlockSpec((None, r, d), lambda b, i, t, tbl: (b, i, 0))
-    row_col = pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b, i, 0))
-    kv_tile = pl.BlockSpec((None, bkv, d), lambda b, i, t, tbl: (b, kv_at(tbl, b, i, t), 0))
-    q_col = pl.BlockSpec((None, r, 1), lambda b, i, t, tbl: (b // kh, i, 0))
-    k_lane = pl.BlockSpec((None, 1, bkv), lambda b, i, t, tbl: (b // kh, 0, kv_at(tbl, b, i, t)))
-    in_specs = [row_tile, kv_tile, kv_tile, row_tile, row_col, row_col, q_col, k_lane]
-    q_side = _q_side_args(q, do, lse, delta, q_pos)
-    args = [table.reshape(-1), q_side[0], k, v, *q_side[1:], _lanes(k_pos)]
-    if spec.has_seg:
-        in_specs += [q_col, k_lane]
-        args += [_columns(q_seg), _lanes(k_seg)]
+    r = spec.block_q * spec.group
+    nq, nk = rows // r, k.shape[1] // spec.block_kv
+    blocks = _Blocks(spec, d, _outer, functools.partial(_step_tile, n=nq, kh=spec.kv_heads))
+    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
     return _call(functools.partial(_dq_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nq, nk),
-                 in_specs, row_tile, jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
+                 in_specs, blocks.rows, jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
                  [pltpu.VMEM((r, d), jnp.float32)], args, "ring_round_dq")
 
 
@@ -199,21 +207,10 @@ def backward_dkv(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, 
     """dK (w.r.t. the unscaled keys) and dV of one round: two fp32 ``[BK, Ck, D]``."""
     bk_, rows, d = q.shape
     ck = k.shape[1]
-    r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
-    nq, nk = rows // r, ck // bkv
-    q_at = functools.partial(_step_tile, n=nk, kh=kh)
-    row_tile = pl.BlockSpec((None, r, d), lambda b, j, t, tbl: (b, q_at(tbl, b, j, t), 0))
-    row_col = pl.BlockSpec((None, r, 1), lambda b, j, t, tbl: (b, q_at(tbl, b, j, t), 0))
-    kv_tile = pl.BlockSpec((None, bkv, d), lambda b, j, t, tbl: (b, j, 0))
-    q_col = pl.BlockSpec((None, r, 1), lambda b, j, t, tbl: (b // kh, q_at(tbl, b, j, t), 0))
-    k_lane = pl.BlockSpec((None, 1, bkv), lambda b, j, t, tbl: (b // kh, 0, j))
-    in_specs = [row_tile, kv_tile, kv_tile, row_tile, row_col, row_col, q_col, k_lane]
-    q_side = _q_side_args(q, do, lse, delta, q_pos)
-    args = [table.reshape(-1), q_side[0], k, v, *q_side[1:], _lanes(k_pos)]
-    if spec.has_seg:
-        in_specs += [q_col, k_lane]
-        args += [_columns(q_seg), _lanes(k_seg)]
+    nq, nk = rows // (spec.block_q * spec.group), ck // spec.block_kv
+    blocks = _Blocks(spec, d, functools.partial(_step_tile, n=nk, kh=spec.kv_heads), _outer)
+    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
     out = jax.ShapeDtypeStruct((bk_, ck, d), jnp.float32)
-    scratch = [pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)]
+    scratch = [pltpu.VMEM((spec.block_kv, d), jnp.float32)] * 2
     return _call(functools.partial(_dkv_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nk, nq),
-                 in_specs, (kv_tile, kv_tile), (out, out), scratch, args, "ring_round_dkv")
+                 in_specs, (blocks.kv, blocks.kv), (out, out), scratch, args, "ring_round_dkv")
