@@ -9,11 +9,9 @@ import importlib.util
 import pathlib
 import sys
 
+from errors import ConfigFileError  # also importable as configs.loading.ConfigFileError
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-class ConfigFileError(ValueError):
-    """A config file or override that cannot be used: one line saying why."""
 
 
 def load(path: str, overrides=()):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from checkpoints.compat import CheckpointError, checker, model_mismatch
+from checkpoints.compat import checker, model_mismatch
 from checkpoints.manager import Checkpoints, locate
 from checkpoints.preemption import StopOnSignal
+from errors import CheckpointError
 from training.state import TrainState
 
 CFG = ConfigDict({"keep": 5, "keep_every": 0, "async_save": False})

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from configs.loading import ConfigFileError, load
+from configs.loading import load
+from errors import ConfigFileError
 
 
 def test_overrides_are_typed_like_the_field_they_replace():

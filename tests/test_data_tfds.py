@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import base
-from data import DataError
+from errors import DataError
 from data.sources import documents, make_source
 
 DOCS = [m.__doc__.strip() for m in (json, csv, difflib, heapq, bisect, np)]  # real prose
