@@ -112,11 +112,33 @@ def test_locate_accepts_run_checkpoints_and_step_directories(tmp_path):
 
 
 def test_stop_on_signal_records_then_hands_over_and_restores_handlers():
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with StopOnSignal() as stop:
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested and stop.name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: Python's own handler
+    # Start from known handlers whatever started pytest: a background job (nohup, `cmd &`)
+    # inherits SIGINT ignored, and the hand-over would then (rightly) ignore the second one.
+    outer = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    handed_over = []
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own Ctrl-C
+    signal.signal(signal.SIGTERM, lambda signum, frame: handed_over.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        with StopOnSignal() as stop:
+            assert not stop.requested
             os.kill(os.getpid(), signal.SIGINT)
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+            assert stop.requested and stop.name == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: the handler from before
+                os.kill(os.getpid(), signal.SIGINT)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.name == "SIGTERM" and handed_over == []
+            os.kill(os.getpid(), signal.SIGTERM)  # the second goes to the handler from before
+            assert handed_over == [signal.SIGTERM]
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # handed over to SIG_IGN: still alive
+            assert stop.name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outer[0])
+        signal.signal(signal.SIGTERM, outer[1])
