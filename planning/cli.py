@@ -85,8 +85,8 @@ def load_config(path: str, overrides: list[str]):
         pairs.append(m.group(1))
     try:
         return load(path, pairs)
-    except ConfigFileError as e:
-        raise UsageError(str(e)) from None
+    except ConfigFileError as e:  # name an override as it was typed: --config.a.b
+        raise UsageError(("--" if str(e).startswith("config.") else "") + str(e)) from None
 
 
 def simulate_devices(n: int) -> None:

@@ -51,3 +51,21 @@ def test_diagnose_passes_a_good_command_line():
     assert diagnose(["--config", "configs/tiny.py", "--config.train.steps=3",
                      "--config.mesh.sequence", "2"], "config", "configs/tiny.py") is None
     assert diagnose(["--workdir", "x"], "config", "configs/tiny.py") is None
+
+
+NO_FILE = ("error: --config configs/tyni.py: no such file; nearest: configs/tiny.py")
+NO_FIELD = "no such field; nearest: train.steps, train.eps, train.seed"
+PLAN = ["scripts/plan.py", "--mesh", "sequence=8", "--seq-len", "1024", "--hardware", "h100"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (PLAN + ["--config", "configs/tyni.py"], NO_FILE),
+    (PLAN + ["--config", "configs/tiny.py", "--config.train.stepz=3"],
+     f"error: --config.train.stepz: {NO_FIELD}"),
+    (["scripts/compare_layouts.py", "--config", "configs/tyni.py"], NO_FILE),
+    (["scripts/compare_layouts.py", "--set", "train.stepz=3"], f"error: config.train.stepz: {NO_FIELD}"),
+    (["scripts/bench_checkpoint.py", "--config", "configs/tyni.py"], NO_FILE),
+    (["scripts/bench_data.py", "--config", "configs/tyni.py"], NO_FILE),
+])
+def test_scripts_taking_a_config_say_the_same_in_one_line(args, expected):
+    one_line_error(run(*args), expected)
