@@ -2,6 +2,8 @@
 and what is damage, where restore_from points, and the stop-on-signal guard."""
 import os
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +144,12 @@ def test_stop_on_signal_records_then_hands_over_and_restores_handlers():
     finally:
         signal.signal(signal.SIGINT, outer[0])
         signal.signal(signal.SIGTERM, outer[1])
+
+
+def test_stop_on_signal_test_holds_when_started_with_sigint_ignored():
+    """As in `bash -c 'make test &'`: a background job of a shell starts with SIGINT ignored."""
+    test = f"{__file__}::test_stop_on_signal_records_then_hands_over_and_restores_handlers"
+    proc = subprocess.run(["bash", "-c", '"$@" & wait $!', "bash", sys.executable, "-m", "pytest",
+                           "-q", "-p", "no:cacheprovider", test],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
