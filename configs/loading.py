@@ -36,8 +36,8 @@ def load(path: str, overrides=()):
 
 
 def resolve(path: str) -> pathlib.Path:
-    """The config file ``path`` names (relative paths from here, then from the repository
-    root); ConfigFileError naming the nearest config files when there is none."""
+    """The config file ``path`` names (a relative path from the working directory, else from
+    the repository root); ConfigFileError naming the nearest config files when there is none."""
     file = pathlib.Path(path)
     if not file.is_absolute() and not file.is_file():
         file = ROOT / file
