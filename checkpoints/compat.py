@@ -9,16 +9,12 @@ import pathlib
 
 import jax
 
-from training.validate import ConfigError
+from errors import CheckpointError  # also importable as checkpoints.compat.CheckpointError
 
 # The model fields that decide parameter shapes; anything else (rope_theta, remat, dtype, ...)
 # may change between runs sharing weights.
 SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "ffn_dim")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used with this config, or none usable at all; one line."""
 
 
 def _resolved(model: dict) -> dict:

@@ -28,7 +28,8 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
-from checkpoints.compat import CheckpointError, check_param_shapes
+from checkpoints.compat import check_param_shapes
+from errors import CheckpointError
 
 COMMIT_MARKER = "commit_success.txt"
 TMP_MARKER = ".orbax-checkpoint-tmp"

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 
-from checkpoints.compat import CheckpointError, checker
+from checkpoints.compat import checker
 from checkpoints.manager import Checkpoints, locate
+from errors import CheckpointError, DataError
 
 
 def run_meta(config, fingerprint: str, mesh) -> dict:
@@ -19,7 +20,6 @@ def run_meta(config, fingerprint: str, mesh) -> dict:
 
 
 def _restore_data(pipe, data_state: dict, where: str):
-    from data import DataError
     try:
         pipe.train.restore(data_state)
     except DataError as e:

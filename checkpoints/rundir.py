@@ -13,8 +13,9 @@ import sys
 
 import ml_collections
 
-from checkpoints.compat import CheckpointError, checker
+from checkpoints.compat import checker
 from checkpoints.manager import Checkpoints, Restored
+from errors import CheckpointError
 
 
 @dataclasses.dataclass

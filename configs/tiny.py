@@ -1,7 +1,8 @@
 """The CPU demo: a tiny decoder on the stdlib corpus, 8 simulated devices, striped ring attention.
 
 Run:  make demo
-  or  XLA_FLAGS=--xla_force_host_platform_device_count=8 python train.py --config configs/tiny.py
+  or  python train.py --config configs/tiny.py
+(on a CPU, train.py simulates the 8 devices itself; see parallel/host_devices.py)
 Shows: held-out loss falling well below its first value in a few minutes on a 2-core CPU,
 with tokens/s, MFU and a checkpoint in the run directory.
 """

@@ -3,6 +3,4 @@
 Entry point: ``data.pipeline.make_pipeline(config, mesh)``.
 """
 
-
-class DataError(ValueError):
-    """A user mistake in the data setup; the message is one line the trainer prints before exiting."""
+from errors import DataError  # noqa: F401  (re-exported: ``from data import DataError``)

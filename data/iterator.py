@@ -11,7 +11,7 @@ import queue
 import threading
 from typing import Callable
 
-from data import DataError
+from errors import DataError
 
 _STOP_POLL_S = 0.1
 

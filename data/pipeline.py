@@ -16,9 +16,10 @@ import numpy as np
 from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
-from data import DataError, batching, packing, sources, split, tokenizer as tok_lib, tokens
+from data import batching, packing, sources, split, tokenizer as tok_lib, tokens
 from data.batching import from_layout, to_layout  # noqa: F401  (part of the public API)
 from data.iterator import TrainIterator
+from errors import DataError
 from parallel import layouts
 
 __all__ = ["Pipeline", "make_pipeline", "to_layout", "from_layout", "DataError"]

@@ -21,7 +21,7 @@ import sys
 import sysconfig
 from typing import Iterator
 
-from data import DataError
+from errors import DataError
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
 TFDS_EXTRA = "requirements-tfds.txt"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data import DataError
+from errors import DataError
 
 # Fixed, and apart from data.shuffle_seed: changing the shuffle must never move a held-out
 # document into training.

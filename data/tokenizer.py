@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from data import DataError
+from errors import DataError
 
 EOS = "<|endoftext|>"
 # Names other tokenizers use for their end-of-text token, checked in this order.

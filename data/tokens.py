@@ -17,7 +17,7 @@ from typing import Iterable
 import numpy as np
 from tokenizers import Tokenizer
 
-from data import DataError
+from errors import DataError
 
 _CHUNK = 256  # documents per encode_batch call: big enough for the thread pool, small in memory
 VERSION = 1

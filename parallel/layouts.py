@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from errors import LayoutError  # also importable as parallel.layouts.LayoutError
+
 LAYOUTS = ("contiguous", "striped", "zigzag")
-
-
-class LayoutError(ValueError):
-    """A layout request that cannot be satisfied; the message says what would be valid."""
 
 
 def check(layout: str, seq_len: int, num_shards: int, stripe: int = 1) -> None:

@@ -7,6 +7,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from errors import MeshError  # also importable as parallel.mesh.MeshError
+
 AXES = ("data", "fsdp", "sequence", "tensor")
 
 # Logical axis name -> mesh axis (or axes). Parameters name their axes with the keys; nothing
@@ -26,10 +28,6 @@ RULES = {
     "norm": None,
     "layers": None,
 }
-
-
-class MeshError(ValueError):
-    """A mesh that cannot be built on these devices; the message says what would be valid."""
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:

@@ -74,7 +74,8 @@ def parse_mesh(text: str, devices: int = 0) -> dict[str, int]:
 
 def load_config(path: str, overrides: list[str]):
     """The config with ``--config.a.b=value`` overrides, as train.py takes them."""
-    from configs.loading import ConfigFileError, load
+    from configs.loading import load
+    from errors import ConfigFileError
     pairs = []
     for arg in overrides:
         m = re.fullmatch(r"--config\.([\w.]+=.*)", arg, flags=re.S)
@@ -84,8 +85,8 @@ def load_config(path: str, overrides: list[str]):
         pairs.append(m.group(1))
     try:
         return load(path, pairs)
-    except ConfigFileError as e:
-        raise UsageError(str(e)) from None
+    except ConfigFileError as e:  # name an override as it was typed: --config.a.b
+        raise UsageError(("--" if str(e).startswith("config.") else "") + str(e)) from None
 
 
 def simulate_devices(n: int) -> None:

@@ -32,8 +32,9 @@ def resolve_remats(arg: str | None, config_remat: str) -> list[str]:
 
 def validate(config, mesh_sizes: dict, layouts) -> None:
     """Config checks of a run, plus every layout to be projected (zigzag needs 2N | L)."""
-    from parallel.layouts import LayoutError, check
-    from training.validate import ConfigError, validate as validate_config
+    from errors import ConfigError, LayoutError
+    from parallel.layouts import check
+    from training.validate import validate as validate_config
     num_devices = math.prod(mesh_sizes.values())
     validate_config(config, num_devices)
     for layout in layouts:

@@ -1,6 +1,7 @@
 """Does an asynchronous checkpoint save stall training? Step times around saves, tiny config.
 
-Trains the config (default configs/tiny.py: 8 simulated devices, ring attention, striped) and
+Trains the config (default configs/tiny.py: 8 devices, ring attention, striped; on a CPU they are
+simulated, see parallel/host_devices.py) and
 times every step from dispatch to its result, with the save call inside the step that triggers
 it, where train.py makes it (after the step, before the next one is dispatched). A
 step that triggers a save must take at most 1.2x the median step time: the verdict uses the
@@ -26,9 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs.loading import load  # noqa: E402
-from parallel.distributed import simulate_cpu_devices  # noqa: E402
-
-simulate_cpu_devices(8)  # before jax is imported
+from errors import ConfigFileError  # noqa: E402
+from parallel.host_devices import simulate_for_mesh  # noqa: E402
 
 LIMIT = 1.2
 
@@ -134,8 +134,13 @@ def main(argv=None) -> int:
         print(f"error: need --every >= 1 and --steps >= --every (got {args.every}, {args.steps})",
               file=sys.stderr)
         return 2
+    try:
+        config = load(args.config)
+    except ConfigFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    simulate_for_mesh(config.mesh)  # before jax is imported
     import jax
-    config = load(args.config)
     print(f"{args.config}: {jax.device_count()} {jax.default_backend()} devices, mesh "
           f"{dict(config.mesh)}, attention {config.attention.impl}/{config.attention.layout}, "
           f"save every {args.every} steps")

@@ -25,9 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs.loading import load  # noqa: E402
-from parallel.distributed import simulate_cpu_devices  # noqa: E402
-
-simulate_cpu_devices(8)  # before jax is imported
+from errors import ConfigFileError  # noqa: E402
+from parallel.host_devices import simulate_for_mesh  # noqa: E402
 
 H100_BF16_PEAK = 989e12
 MFU = 0.5
@@ -73,12 +72,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", default="", help="default: a fresh temporary dir (cold start)")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
+    try:
+        config = load(args.config)
+    except ConfigFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    simulate_for_mesh(config.mesh)  # before jax is imported (the mesh places the batches)
 
     from data.pipeline import make_pipeline
     from data import sources, tokens as tokens_lib
     from model.flops import flops_per_token
 
-    config = load(args.config)
     config.data.update(seq_len=args.seq_len, batch_size=args.batch)
     if args.vocab:
         config.model.vocab_size = args.vocab

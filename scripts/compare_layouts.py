@@ -197,6 +197,13 @@ def write_report(rows: list[dict], out: pathlib.Path, devices: int):
 
 def main(argv=None):
     args = parse_args(argv)
+    from configs.loading import load
+    from errors import ConfigFileError
+    try:
+        load(args.config, args.set)  # a missing file or field: one line before any process starts
+    except ConfigFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if args.processes > 1 and not args.worker:
         from parallel.distributed import spawn_local
         argv = [os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]), "--worker"]

@@ -39,7 +39,8 @@ def eval_setup(config, log):
     import jax
 
     from parallel.mesh import make_mesh
-    from training.validate import ConfigError, validate
+    from errors import ConfigError
+    from training.validate import validate
     try:
         validate(config, jax.device_count())
         return config, make_mesh(config.mesh)
@@ -119,7 +120,7 @@ def evaluate(run, args, log) -> dict:
     config, mesh = eval_setup(run.config, log)
     pipe = make_pipeline(config, mesh)
     if pipe.fingerprint != run.fingerprint:
-        from checkpoints.compat import CheckpointError
+        from errors import CheckpointError
         raise CheckpointError(f"the data pipeline now gives tokenizer {pipe.fingerprint}, but "
                               f"{run.directory} was trained with {run.fingerprint}")
     try:
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.ERROR)
-    from checkpoints.compat import CheckpointError
+    from errors import CheckpointError
     from training.entry import user_errors
 
     def log(msg):

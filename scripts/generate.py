@@ -34,7 +34,7 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    from checkpoints.compat import CheckpointError
+    from errors import CheckpointError
     if args.max_new_tokens < 1:
         raise CheckpointError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if not args.greedy and args.temperature <= 0:

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from errors import LayoutError
 from parallel import blockwise as bw
 from parallel.attention import context_parallel_attention
 from parallel.blockwise import dense_attention
-from parallel.layouts import LAYOUTS, LayoutError, inverse, permutation
+from parallel.layouts import LAYOUTS, inverse, permutation
 
 B, L, D = 2, 64, 16
 

@@ -2,6 +2,8 @@
 and what is damage, where restore_from points, and the stop-on-signal guard."""
 import os
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +11,10 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from checkpoints.compat import CheckpointError, checker, model_mismatch
+from checkpoints.compat import checker, model_mismatch
 from checkpoints.manager import Checkpoints, locate
 from checkpoints.preemption import StopOnSignal
+from errors import CheckpointError
 from training.state import TrainState
 
 CFG = ConfigDict({"keep": 5, "keep_every": 0, "async_save": False})
@@ -111,11 +114,42 @@ def test_locate_accepts_run_checkpoints_and_step_directories(tmp_path):
 
 
 def test_stop_on_signal_records_then_hands_over_and_restores_handlers():
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with StopOnSignal() as stop:
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested and stop.name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: Python's own handler
+    # Start from known handlers whatever started pytest: a background job (nohup, `cmd &`)
+    # inherits SIGINT ignored, and the hand-over would then (rightly) ignore the second one.
+    outer = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    handed_over = []
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own Ctrl-C
+    signal.signal(signal.SIGTERM, lambda signum, frame: handed_over.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        with StopOnSignal() as stop:
+            assert not stop.requested
             os.kill(os.getpid(), signal.SIGINT)
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+            assert stop.requested and stop.name == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: the handler from before
+                os.kill(os.getpid(), signal.SIGINT)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.name == "SIGTERM" and handed_over == []
+            os.kill(os.getpid(), signal.SIGTERM)  # the second goes to the handler from before
+            assert handed_over == [signal.SIGTERM]
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # handed over to SIG_IGN: still alive
+            assert stop.name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outer[0])
+        signal.signal(signal.SIGTERM, outer[1])
+
+
+def test_stop_on_signal_test_holds_when_started_with_sigint_ignored():
+    """As in `bash -c 'make test &'`: a background job of a shell starts with SIGINT ignored."""
+    test = f"{__file__}::test_stop_on_signal_records_then_hands_over_and_restores_handlers"
+    proc = subprocess.run(["bash", "-c", '"$@" & wait $!', "bash", sys.executable, "-m", "pytest",
+                           "-q", "-p", "no:cacheprovider", test],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]

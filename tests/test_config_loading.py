@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from configs.loading import ConfigFileError, load
+from configs.loading import load
+from errors import ConfigFileError
 
 
 def test_overrides_are_typed_like_the_field_they_replace():
@@ -19,9 +20,16 @@ def test_overrides_are_typed_like_the_field_they_replace():
 
 
 @pytest.mark.parametrize("path,overrides,message", [
-    ("configs/nope.py", [], "--config configs/nope.py: no such file"),
+    ("configs/nope.py", [], "--config configs/nope.py: no such file; configs: configs/base.py, "
+                            "configs/llama_1b.py, configs/llama_3b.py, configs/llama_7b.py, "
+                            "configs/tiny.py"),
+    ("configs/tyni.py", [], "--config configs/tyni.py: no such file; nearest: configs/tiny.py"),
     ("configs/tiny.py", ["model.depth=3"], "config.model.depth: no such field"),
-    ("configs/tiny.py", ["modle.num_layers=3"], "config.modle.num_layers: no field 'modle'"),
+    ("configs/tiny.py", ["train.stepz=3"], "config.train.stepz: no such field; nearest: train.steps,"),
+    ("configs/tiny.py", ["modle.num_layers=3"],
+     "config.modle.num_layers: no such field; nearest: model.num_layers,"),
+    ("configs/tiny.py", ["xyzzy=3"], "config.xyzzy: no such field; the config has: attention, "
+                                     "checkpoint, data, mesh, model, name, train, wandb"),
     ("configs/tiny.py", ["model.num_layers=two"], "config.model.num_layers='two': expected a int"),
     ("configs/tiny.py", ["attention.document_mask=maybe"],
      "config.attention.document_mask='maybe': expected a bool"),

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from data import DataError
+from errors import DataError
 from data.batching import contiguous_block, from_layout, to_layout
 from data.packing import KEYS, PackedPass, epoch_order
 from data.split import heldout_split

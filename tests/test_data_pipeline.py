@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from configs import base
-from data import DataError
+from errors import DataError
 from data.packing import KEYS, epoch_order
 from data.pipeline import from_layout, make_pipeline
 from parallel import layouts

@@ -13,7 +13,7 @@ import ml_collections
 import pytest
 
 from configs import base
-from data import DataError
+from errors import DataError
 from data.sources import StdlibSource, documents, make_source
 
 # Real prose: module docstrings of the standard library.

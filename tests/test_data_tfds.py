@@ -1,17 +1,18 @@
-"""The optional TFDS source: read for real where requirements-tfds.txt is installed, and a
-one-line error naming that file where it is not (the default install)."""
+"""The optional TFDS source, read for real (``make test`` installs requirements-tfds.txt), and
+the one-line error naming that file where TFDS is not installed (``make demo``'s venv)."""
 import bisect
 import csv
 import difflib
 import heapq
 import importlib.util
 import json
+import sys
 
 import numpy as np
 import pytest
 
 from configs import base
-from data import DataError
+from errors import DataError
 from data.sources import documents, make_source
 
 DOCS = [m.__doc__.strip() for m in (json, csv, difflib, heapq, bisect, np)]  # real prose
@@ -48,13 +49,17 @@ def prepare_dataset(tmp_path):
     StdlibDocstrings(data_dir=str(tmp_path / "tfds")).download_and_prepare()
 
 
+def test_tfds_missing_is_one_line_naming_the_requirements_file(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # import fails as if absent
+    with pytest.raises(DataError) as e:
+        make_source(tfds_cfg(tmp_path))
+    assert str(e.value) == ("data.source='tfds' needs TensorFlow Datasets: "
+                            "pip install -r requirements-tfds.txt")
+
+
 def test_tfds_source(tmp_path):
-    if not HAVE_TFDS:
-        with pytest.raises(DataError) as e:
-            make_source(tfds_cfg(tmp_path))
-        assert str(e.value) == ("data.source='tfds' needs TensorFlow Datasets: "
-                                "pip install -r requirements-tfds.txt")
-        return
+    assert HAVE_TFDS, ("tensorflow-datasets is not installed in this venv: `make test` installs "
+                       "it (or: pip install -r requirements-tfds.txt)")
     prepare_dataset(tmp_path)
     train = list(documents(make_source(tfds_cfg(tmp_path))))
     assert sorted(train) == sorted(DOCS[:5])  # TFDS stores examples in its own (fixed) order

@@ -7,7 +7,7 @@ import sys
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from data import DataError
+from errors import DataError
 from data import tokenizer as tk
 
 

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.layouts import LAYOUTS, LayoutError, check, inverse, permutation
+from errors import LayoutError
+from parallel.layouts import LAYOUTS, check, inverse, permutation
 
 
 @pytest.mark.parametrize("layout,seq_len,n,stripe,want", [

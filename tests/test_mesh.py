@@ -2,7 +2,8 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from parallel.mesh import MeshError, fit_spec, logical_to_spec, make_mesh, mesh_shape
+from errors import MeshError
+from parallel.mesh import fit_spec, logical_to_spec, make_mesh, mesh_shape
 
 
 def test_fill_axis_takes_the_remaining_devices():

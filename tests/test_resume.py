@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 
 import trained_run as tr
-from checkpoints.compat import CheckpointError
+from errors import CheckpointError, ConfigError
 from checkpoints.manager import Checkpoints
 from parallel.layouts import permutation
 from parallel.mesh import make_mesh
 from training.state import Trainer
-from training.validate import ConfigError
 
 STOP_AFTER = 10  # SIGTERM once the interrupted run has logged this step (after the save at 8)
 

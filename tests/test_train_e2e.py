@@ -31,3 +31,4 @@ def test_two_step_run_writes_metrics_config_and_checkpoint(tmp_path):
     assert len((workdir / "tokenizer_fingerprint.txt").read_text().strip()) >= 16
     assert (workdir / "checkpoints" / "2").is_dir()
     assert str(workdir / "checkpoints" / "2") in proc.stdout
+    assert "simulating" not in proc.stdout  # XLA_FLAGS already set a device count: left alone

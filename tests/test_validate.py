@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from configs import tiny
-from training.validate import ConfigError, validate
+from errors import ConfigError
+from training.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

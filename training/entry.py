@@ -5,11 +5,9 @@ import sys
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from data import DataError
-    from parallel.layouts import LayoutError
-    from parallel.mesh import MeshError
-    from training.validate import ConfigError
-    return ConfigError, LayoutError, MeshError, DataError
+    """Config, config file, checkpoint, layout, mesh and data mistakes (errors.py)."""
+    from errors import UserError
+    return (UserError,)
 
 
 def main_with_errors(config, workdir, coordinator=None, num_processes=None,

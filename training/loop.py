@@ -11,13 +11,14 @@ import jax
 from checkpoints.manager import Checkpoints
 from checkpoints.preemption import StopOnSignal, should_stop
 from checkpoints.resume import run_meta, start_state
+from errors import ConfigError
 from model.flops import flops_per_token, param_count
 from parallel.mesh import make_mesh
 from training.logger import MetricsLogger
 from training.mfu import peak_flops_total
 from training.optim import schedule
 from training.state import Trainer
-from training.validate import ConfigError, validate
+from training.validate import validate
 
 
 class Diverged(RuntimeError):

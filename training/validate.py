@@ -1,19 +1,16 @@
 """Config validation before anything compiles: each mistake is one line naming field and fix."""
 from __future__ import annotations
 
+from errors import ConfigError, LayoutError, MeshError
 from model.decoder import DTYPES, REMAT
 from parallel import kernels
 from parallel.attention import tile_size
-from parallel.layouts import LAYOUTS, LayoutError, check as check_layout
-from parallel.mesh import MeshError, mesh_shape
+from parallel.layouts import LAYOUTS, check as check_layout
+from parallel.mesh import mesh_shape
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
 IMPLS = ("ring", "dense")
 WANDB_MODES = ("disabled", "offline", "online")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot run; the message names the field, the value and what is valid."""
 
 
 def _need(ok: bool, msg: str):

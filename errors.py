@@ -1,0 +1,36 @@
+"""User errors: mistakes the user can fix (a config value, a file, a checkpoint, a mesh), each
+reported as one line and exit code 2 by the entry points, never as a traceback.
+
+They live here, at the top, so that every layer (configs, data, parallel, checkpoints,
+training, scripts) imports them downward; this module imports nothing of the project.
+"""
+
+
+class UserError(ValueError):
+    """A mistake the user can fix; the message is one line saying what is wrong and what would
+    be valid."""
+
+
+class ConfigError(UserError):
+    """A config value that cannot run; the message names the field, the value and what is valid."""
+
+
+class ConfigFileError(ConfigError):
+    """A config file or override that cannot be used (no such file, no such field, a value of
+    the wrong type)."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used with this config, or none usable at all."""
+
+
+class LayoutError(UserError):
+    """A layout request that cannot be satisfied."""
+
+
+class MeshError(UserError):
+    """A mesh that cannot be built on these devices."""
+
+
+class DataError(UserError):
+    """A mistake in the data setup (source, files, tokenizer, split)."""

@@ -1,0 +1,66 @@
+"""Simulated CPU devices for a config's mesh, decided before jax starts (imports no jax).
+
+A config names a mesh of N devices; a CPU has one device unless XLA_FLAGS carries
+``--xla_force_host_platform_device_count=N``, which XLA reads once, when jax starts. So the
+commands that build a mesh from a config (train.py, scripts/bench_checkpoint.py,
+scripts/bench_data.py) call ``simulate_for_mesh`` first. It appends that flag to XLA_FLAGS,
+and says so in one line, only when all of these hold:
+
+- XLA_FLAGS sets no device count yet (the user's, ``make demo``'s or the launcher's wins);
+- the run is one process: no ``--coordinator`` / ``--num_processes`` / ``--process_id`` and no
+  JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES > 1 (each process then brings its own devices);
+- the run is on the CPU: JAX_PLATFORMS is ``cpu``, or it is unset and jax has no accelerator
+  plugin installed (no ``jax_plugins`` entry point or module, e.g. jax-cuda12-plugin, and no
+  libtpu). On a GPU/TPU host the real devices form the mesh;
+- the mesh needs more than one device (a ``-1`` axis counts as 1: it fills what is there).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+import os
+
+AXES = ("data", "fsdp", "sequence", "tensor")  # parallel.mesh.AXES; that module imports jax
+FLAG = "--xla_force_host_platform_device_count"
+
+
+def mesh_devices(mesh_cfg) -> int:
+    """The fewest devices the mesh can be built on: the product of its fixed axis sizes."""
+    return math.prod(max(int(mesh_cfg[a]), 1) for a in AXES if a in mesh_cfg)
+
+
+def accelerator_plugin_installed() -> bool:
+    """Whether jax would look for a GPU/TPU: a PJRT plugin or libtpu is importable."""
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return True
+    return any(importlib.util.find_spec(m) is not None for m in ("jax_plugins", "libtpu"))
+
+
+def multi_process_env(environ=os.environ) -> bool:
+    return bool(environ.get("JAX_COORDINATOR_ADDRESS")) or int(
+        environ.get("JAX_NUM_PROCESSES", "1") or "1") > 1
+
+
+def on_cpu(environ=os.environ) -> bool:
+    platforms = [p.strip().lower() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms == ["cpu"]
+    return not accelerator_plugin_installed()
+
+
+def simulate_for_mesh(mesh_cfg, *, multi_process: bool = False, environ=os.environ,
+                      say=None) -> int:
+    """Sets XLA_FLAGS for the mesh's device count when the rule above allows; returns the
+    count it set (0 when it left XLA_FLAGS alone). Call before jax is imported."""
+    n = mesh_devices(mesh_cfg)
+    flags = environ.get("XLA_FLAGS", "")
+    if (n <= 1 or FLAG in flags or multi_process or multi_process_env(environ)
+            or not on_cpu(environ)):
+        return 0
+    environ["XLA_FLAGS"] = f"{flags} {FLAG}={n}".strip()
+    sizes = " ".join(f"{a}={mesh_cfg[a]}" for a in AXES if a in mesh_cfg)
+    (say or (lambda line: print(line, flush=True)))(
+        f"simulating {n} CPU devices for the config's mesh ({sizes}): "
+        f"XLA_FLAGS={environ['XLA_FLAGS']}")
+    return n

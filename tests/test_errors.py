@@ -1,0 +1,43 @@
+"""User errors live in errors.py, below every layer: each layer raises the same classes, and the
+entry point reports all of them as one line."""
+import ast
+import pathlib
+
+import errors
+from checkpoints import compat
+from configs import loading
+from data import DataError
+from parallel import layouts, mesh
+from training.entry import user_errors
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_each_layer_raises_the_classes_of_errors_py():
+    assert compat.CheckpointError is errors.CheckpointError
+    assert loading.ConfigFileError is errors.ConfigFileError
+    assert layouts.LayoutError is errors.LayoutError
+    assert mesh.MeshError is errors.MeshError
+    assert DataError is errors.DataError
+    for cls in (errors.ConfigError, errors.ConfigFileError, errors.CheckpointError,
+                errors.LayoutError, errors.MeshError, errors.DataError):
+        assert issubclass(cls, user_errors()), cls
+        assert issubclass(cls, ValueError), cls  # callers that catch ValueError still do
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_imports_point_downward():
+    assert imported_modules(ROOT / "errors.py") == set()  # nothing of the project, no jax
+    for path in sorted((ROOT / "checkpoints").glob("*.py")):
+        up = [m for m in imported_modules(path) if m.split(".")[0] == "training"]
+        assert not up, f"{path.name} imports {up} from the training layer"
