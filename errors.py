@@ -34,3 +34,7 @@ class MeshError(UserError):
 
 class DataError(UserError):
     """A mistake in the data setup (source, files, tokenizer, split)."""
+
+
+class KernelError(UserError):
+    """An attention kernel request that cannot run (an unknown name)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from errors import KernelError
+
 KERNELS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 NATIVE_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 AUTO = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}
@@ -24,10 +26,6 @@ AUTO = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": 
 # of a q tile, so a Pallas q tile of R rows covers R / G positions. Triton keeps a tile in
 # registers and wants small ones; Mosaic streams large tiles through VMEM.
 DEFAULT_BLOCKS = {"xla": (512, 512), "pallas_gpu": (64, 64), "pallas_tpu": (512, 512)}
-
-
-class KernelError(ValueError):
-    """A kernel request that cannot run; the message says what would be valid."""
 
 
 def platform_of(mesh) -> str:
