@@ -76,6 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
     t.log_every = 10  # steps between metric reads (the only host syncs in the loop)
     t.eval_every = 0  # steps between held-out evaluations (0: only at the end)
     t.eval_batches = 4  # held-out batches per evaluation
+    # The final norm, head and cross-entropy run over chunks of this many tokens of each
+    # device's slice of a row (model/loss.py): the [B, L, V] fp32 logits and their gradient
+    # never exist whole. 0 = one chunk (the whole slice); a chunk not dividing the slice is padded.
+    t.loss_chunk = 2048
     t.peak_tflops = 0.0  # per-device peak for MFU; 0 looks the device up in a table
 
     c.checkpoint = k = ml_collections.ConfigDict()

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.layers import AttentionBackend, Block, RMSNorm, _param
+from model.loss import chunked_token_losses
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT = ("none", "attention", "full", "offload")
@@ -52,7 +53,23 @@ class Decoder(nnx.Module):
             ("data", "fsdp"), "sequence", None)) if backend.mesh is not None else None)
 
     def __call__(self, tokens_BL, positions_BL, segment_ids_BL):
-        """Logits [B, L, V] in fp32, in the batch's token layout."""
+        """Logits [B, L, V] in fp32, in the batch's token layout (generation; training never
+        makes them whole: see token_losses)."""
+        x_BLD = self.final_norm(self.hidden(tokens_BL, positions_BL, segment_ids_BL))
+        return jnp.einsum("bld,dv->blv", x_BLD, self.head[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def token_losses(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL,
+                     chunk: int):
+        """Masked next-token cross-entropy [B, L] in fp32; the final norm, head and softmax
+        run over chunks of ``chunk`` tokens of each device's slice (model/loss.py)."""
+        x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+        mesh = self.act_sharding.mesh if self.act_sharding is not None else None
+        return chunked_token_losses(x_BLD, labels_BL, mask_BL, self.final_norm, self.head[...],
+                                    chunk=chunk, mesh=mesh, compute_dtype=self.dtype)
+
+    def hidden(self, tokens_BL, positions_BL, segment_ids_BL):
+        """The last block's output [B, L, D] (before the final norm), in the batch's layout."""
         embed_VD = self.embed[...]
         if self.act_sharding is not None:
             # Gather the (fsdp x sequence)-sharded table whole first, as FSDP does for every
@@ -66,6 +83,10 @@ class Decoder(nnx.Module):
         def layer(x_BLD, layer_state):
             if self.act_sharding is not None:
                 x_BLD = jax.lax.with_sharding_constraint(x_BLD, self.act_sharding)
+            # The layer inputs are what the scan stacks for the backward ([layers, B, L, D]);
+            # the barrier keeps XLA from hoisting the first norm's fp32 convert out of the
+            # backward loop, which made an fp32 copy of the whole stack (twice its size).
+            x_BLD = jax.lax.optimization_barrier(x_BLD)
             block = nnx.merge(graphdef, layer_state)
             return block(x_BLD, positions_BL, segment_ids_BL), None
 
@@ -76,9 +97,7 @@ class Decoder(nnx.Module):
         else:
             for i in range(self.num_layers):
                 x_BLD, _ = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
-        x_BLD = self.final_norm(x_BLD)
-        return jnp.einsum("bld,dv->blv", x_BLD, self.head[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return x_BLD
 
 
 def backend_from_config(config, mesh=None) -> AttentionBackend:

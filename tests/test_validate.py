@@ -38,6 +38,7 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"train__steps": -5}, 8, "train.steps=-5 must be >= 1"),
     ({"train__lr": 0.0}, 8, "train.lr=0.0 must be > 0"),
     ({"train__warmup_steps": -1}, 8, "train.warmup_steps=-1 must be >= 0"),
+    ({"train__loss_chunk": -8}, 8, "train.loss_chunk=-8 must be >= 0"),
     ({"data__batch_size": 3}, 8, "data.batch_size=3 must be a positive multiple of mesh data x fsdp = 2"),
     ({"data__source": "s3"}, 8, "data.source='s3' is not one of stdlib, text, jsonl, parquet, hf, tfds"),
     ({"model__dtype": "float16"}, 8, "model.dtype='float16' is not one of float32, bfloat16, auto"),

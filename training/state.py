@@ -69,9 +69,9 @@ class Trainer:
     def token_losses(self, params, batch):
         """Next-token cross-entropy per token ``[B, L]`` in the batch's layout, 0 where masked."""
         model = nnx.merge(self.graphdef, params)
-        logits_BLV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["labels"])
-        return ce_BL * batch["loss_mask"]
+        return model.token_losses(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                  batch["labels"], batch["loss_mask"],
+                                  chunk=self.config.train.loss_chunk)
 
     def loss(self, params, batch):
         """Mean over unmasked tokens (order-free, so any layout works) and their count."""

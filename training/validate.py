@@ -78,6 +78,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
     _need(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
     _need(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every and train.eval_batches must be >= 0")
     _need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
+    _need(t.loss_chunk >= 0,
+          f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per loss chunk; 0 = no chunking)")
     _need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be >= 0 (0 = device table)")
     _need(k.every >= 0 and k.keep >= 1,
           f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")
