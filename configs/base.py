@@ -80,6 +80,10 @@ def get_config() -> ml_collections.ConfigDict:
     # device's slice of a row (model/loss.py): the [B, L, V] fp32 logits and their gradient
     # never exist whole. 0 = one chunk (the whole slice); a chunk not dividing the slice is padded.
     t.loss_chunk = 2048
+    # Gradient accumulation: each global batch (data.batch_size rows) runs as this many
+    # sequential microbatches inside the step, one optimizer update per step; the loss is the
+    # token-weighted mean over all of them. Must divide the rows per data x fsdp group.
+    t.microbatches = 1
     t.peak_tflops = 0.0  # per-device peak for MFU; 0 looks the device up in a table
 
     c.checkpoint = k = ml_collections.ConfigDict()

@@ -39,6 +39,8 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"train__lr": 0.0}, 8, "train.lr=0.0 must be > 0"),
     ({"train__warmup_steps": -1}, 8, "train.warmup_steps=-1 must be >= 0"),
     ({"train__loss_chunk": -8}, 8, "train.loss_chunk=-8 must be >= 0"),
+    ({"train__microbatches": 3}, 8, "train.microbatches=3 must be >= 1 and divide the rows per data x fsdp group (data.batch_size 8 / 2 = 4); valid: 1, 2, 4"),
+    ({"train__microbatches": 0}, 8, "train.microbatches=0 must be >= 1"),
     ({"data__batch_size": 3}, 8, "data.batch_size=3 must be a positive multiple of mesh data x fsdp = 2"),
     ({"data__source": "s3"}, 8, "data.source='s3' is not one of stdlib, text, jsonl, parquet, hf, tfds"),
     ({"model__dtype": "float16"}, 8, "model.dtype='float16' is not one of float32, bfloat16, auto"),

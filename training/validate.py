@@ -57,6 +57,11 @@ def validate(config, num_devices: int) -> dict[str, int]:
     rows = sizes["data"] * sizes["fsdp"]
     _need(d.batch_size >= 1 and d.batch_size % rows == 0,
           f"data.batch_size={d.batch_size} must be a positive multiple of mesh data x fsdp = {rows}")
+    per_replica = d.batch_size // rows
+    _need(t.microbatches >= 1 and per_replica % t.microbatches == 0,
+          f"train.microbatches={t.microbatches} must be >= 1 and divide the rows per data x fsdp "
+          f"group (data.batch_size {d.batch_size} / {rows} = {per_replica}); valid: "
+          f"{', '.join(str(i) for i in range(1, per_replica + 1) if per_replica % i == 0)}")
     n = sizes["sequence"]
     try:
         check_layout(a.layout, d.seq_len, n, a.stripe)
