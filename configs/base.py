@@ -25,6 +25,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
     m.param_dtype = "float32"  # parameters and optimizer state stay in fp32
     m.remat = "full"  # activation checkpointing per layer: none | attention | full | offload
+    # The MLP (per token) runs over chunks of this many tokens of each device's slice under
+    # remat: its [tokens, ffn_dim] activations are a layer's largest at long context. 0 = whole.
+    m.mlp_chunk = 0
     m.scan_layers = True  # lax.scan over layers (False unrolls; only for debugging)
 
     c.attention = a = ml_collections.ConfigDict()

@@ -100,10 +100,22 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (m.ffn_dim, m.d_model), ("mlp", "embed"), out_std)
         self.dtype = dtype
 
-    def __call__(self, x_BLD):
+    def weights(self, mesh=None):
+        """The compute-dtype weights; with a mesh, gathered over fsdp x sequence (as FSDP
+        does for every weight) so that a loop over token chunks reuses one gathered copy."""
         c = lambda p: p[...].astype(self.dtype)
-        h_BLF = jax.nn.silu(x_BLD @ c(self.w_gate)) * (x_BLD @ c(self.w_up))
-        return h_BLF @ c(self.w_down)
+        w = (c(self.w_gate), c(self.w_up), c(self.w_down))
+        if mesh is None:
+            return w
+        from model.chunks import constrain
+        P = jax.sharding.PartitionSpec
+        return (constrain(w[0], mesh, P(None, "tensor")), constrain(w[1], mesh, P(None, "tensor")),
+                constrain(w[2], mesh, P("tensor", None)))
+
+    def __call__(self, x_BLD, weights=None):
+        w_gate, w_up, w_down = self.weights() if weights is None else weights
+        h_BLF = jax.nn.silu(x_BLD @ w_gate) * (x_BLD @ w_up)
+        return h_BLF @ w_down
 
 
 class Block(nnx.Module):
@@ -114,7 +126,15 @@ class Block(nnx.Module):
         self.attn = Attention(m, backend, dtype, rngs)
         self.mlp_norm = RMSNorm(m.d_model, m.norm_eps)
         self.mlp = SwiGLU(m, dtype, rngs)
+        self.mlp_chunk, self.mesh = m.mlp_chunk, backend.mesh
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
-        return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        if not self.mlp_chunk:
+            return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        # At long context the MLP's [tokens, ffn_dim] activations are the layer's largest:
+        # run it over chunks of each device's tokens under remat (it is per token).
+        from model.chunks import map_chunks
+        weights = self.mlp.weights(self.mesh)
+        return x_BLD + map_chunks(lambda x: self.mlp(self.mlp_norm(x), weights), (x_BLD,),
+                                  self.mlp_chunk, self.mesh)

@@ -66,24 +66,28 @@ def test_chunked_equals_full_in_float64(mesh, chunk):
 
 
 def test_trainer_loss_matches_the_full_logits():
-    """The decoder's chunked token losses (ring attention, striped, 8 devices) equal the
-    cross-entropy of its full logits, loss and gradients."""
-    c = tiny_config("ring", "striped", {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
-    c.train.loss_chunk = 3  # 16-token slices: 6 chunks, the last padded
-    mesh = make_mesh(c.mesh)
-    trainer = Trainer(c, mesh)
+    """The decoder's chunked token losses and chunked MLP (ring attention, striped, 8 devices)
+    equal the cross-entropy of the unchunked decoder's full logits, loss and gradients."""
+    mesh_sizes = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
     rng = np.random.default_rng()
-    batch = {k: jax.device_put(v, trainer.batch_shardings[k])
-             for k, v in natural_batch(rng, 4, 64, 101).items()}
-    params = trainer.init(int(rng.integers(0, 2**31))).params
+    batch_np = natural_batch(rng, 4, 64, 101)
+    seed = int(rng.integers(0, 2**31))
+    trainers = []
+    for loss_chunk, mlp_chunk in ((3, 5), (0, 0)):  # 16-token slices: 6 and 4 chunks, padded
+        c = tiny_config("ring", "striped", mesh_sizes)
+        c.train.loss_chunk, c.model.mlp_chunk = loss_chunk, mlp_chunk
+        trainers.append(Trainer(c, make_mesh(c.mesh)))
+    chunked, ref = trainers
+    batch = {k: jax.device_put(v, ref.batch_shardings[k]) for k, v in batch_np.items()}
+    params = ref.init(seed).params
 
     def full(params, batch):
-        logits = nnx.merge(trainer.graphdef, params)(batch["tokens"], batch["positions"],
-                                                     batch["segment_ids"])
+        logits = nnx.merge(ref.graphdef, params)(batch["tokens"], batch["positions"],
+                                                 batch["segment_ids"])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
         return (ce * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
-    got, got_g = jax.jit(jax.value_and_grad(lambda p, b: trainer.loss(p, b)[0]))(params, batch)
+    got, got_g = jax.jit(jax.value_and_grad(lambda p, b: chunked.loss(p, b)[0]))(params, batch)
     want, want_g = jax.jit(jax.value_and_grad(full))(params, batch)
     assert abs(float(got) - float(want)) < 1e-6 * abs(float(want))
     for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):

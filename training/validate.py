@@ -35,6 +35,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     _need(hd % 2 == 0, f"head dim {hd} must be even for RoPE (model.head_dim / d_model / num_heads)")
     _need(m.dtype in (*DTYPES, "auto"), f"model.dtype={m.dtype!r} is not one of float32, bfloat16, auto")
     _need(m.param_dtype == "float32", f"model.param_dtype={m.param_dtype!r}: only float32 is supported")
+    _need(m.mlp_chunk >= 0, f"model.mlp_chunk={m.mlp_chunk} must be >= 0 (tokens per MLP chunk; 0 = whole)")
     _need(m.remat in REMAT, f"model.remat={m.remat!r} is not one of {', '.join(REMAT)}")
 
     _need(a.impl in IMPLS, f"attention.impl={a.impl!r} is not one of {', '.join(IMPLS)}")
