@@ -4,12 +4,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from model.layers import AttentionBackend, Block, RMSNorm, _param
 from model.loss import chunked_token_losses
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMAT = ("none", "attention", "full", "offload")
+REMAT = ("none", "attention", "full", "offload", "offload_input")
 
 
 def compute_dtype(name: str):
@@ -19,19 +20,29 @@ def compute_dtype(name: str):
     return DTYPES[name]
 
 
-def remat_policy(name: str):
+def remat_policy(name: str, platform: str | None = None):
     """What each layer keeps for the backward pass; everything else is recomputed.
 
     none: keep all activations. full: keep only the layer input. attention: keep the
     projection matmuls, recompute attention and elementwise work. offload: like attention,
-    but the kept matmul outputs live in host memory (GPU/TPU only)."""
+    but the kept matmul outputs live in host memory (GPU/TPU only). offload_input: like full,
+    but the layer inputs live in host memory (GPU/TPU only): the device holds one layer's
+    input at a time, the stack of all of them (layers x tokens x d_model) stays on the host.
+    On a CPU (no separate host memory) offload is attention and offload_input is full."""
     cp = jax.checkpoint_policies
+    platform = platform or jax.default_backend()
     if name == "full":
         return cp.nothing_saveable
+    if name == "offload_input":
+        if platform == "cpu":
+            return cp.nothing_saveable
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+            offload_src="device", offload_dst="pinned_host")
     if name == "attention":
         return cp.dots_with_no_batch_dims_saveable
     if name == "offload":
-        if jax.default_backend() == "cpu":
+        if platform == "cpu":
             return cp.dots_with_no_batch_dims_saveable  # no separate host memory to offload to
         return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
     return None
@@ -83,10 +94,9 @@ class Decoder(nnx.Module):
         def layer(x_BLD, layer_state):
             if self.act_sharding is not None:
                 x_BLD = jax.lax.with_sharding_constraint(x_BLD, self.act_sharding)
-            # The layer inputs are what the scan stacks for the backward ([layers, B, L, D]);
-            # the barrier keeps XLA from hoisting the first norm's fp32 convert out of the
-            # backward loop, which made an fp32 copy of the whole stack (twice its size).
-            x_BLD = jax.lax.optimization_barrier(x_BLD)
+            # Under remat the layer inputs are what the scan keeps for the backward
+            # ([layers, B, L, D]); offload_input moves exactly these to host memory.
+            x_BLD = checkpoint_name(x_BLD, "layer_input")
             block = nnx.merge(graphdef, layer_state)
             return block(x_BLD, positions_BL, segment_ids_BL), None
 

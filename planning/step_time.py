@@ -27,8 +27,8 @@ from planning.hardware import Hardware, link_bandwidth
 FWD_PAIR_FLOPS = 4
 BWD_PAIR_FLOPS = 10
 # Remat policies that recompute the attention forward / the layer's matmuls in the backward.
-RECOMPUTES_ATTENTION = ("attention", "full", "offload")
-RECOMPUTES_MATMULS = ("full",)
+RECOMPUTES_ATTENTION = ("attention", "full", "offload", "offload_input")
+RECOMPUTES_MATMULS = ("full", "offload_input")
 
 
 @dataclasses.dataclass
