@@ -78,6 +78,8 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         "attention": {"impl": base.attention.impl, "block_q": base.attention.block_q,
                       "block_kv": base.attention.block_kv, "stripe": base.attention.stripe},
         "remat": primary,
+        "microbatches": base.train.microbatches, "loss_chunk": base.train.loss_chunk,
+        "mlp_chunk": base.model.mlp_chunk,
         "params": param_count(m),  # equal to the built decoder's count (tests/test_params.py)
         "flops_per_token": {
             "model": flops_per_token(m, seq_len),
