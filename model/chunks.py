@@ -1,18 +1,22 @@
 """Per-token work run over chunks of each device's slice of the sequence, one chunk at a time.
 
-The sequence axis is sharded over the mesh's ``sequence`` axis (in layout order), so a
-``[B, L, ...]`` array is viewed as ``[B, S, C, ...]`` (S ring devices, C = L / S tokens each;
-the sharded dim stays whole) and C is cut into chunks of ``chunk`` tokens, the last one padded.
-Chunk i holds tokens ``i*chunk..`` of every device's slice: every chunk is spread over all
-devices, and cutting costs no communication.
+The sequence axis is sharded over the mesh's ``sequence`` axis (in layout order), so each
+device cuts its own slice of ``C = L / S`` tokens into chunks of ``chunk`` tokens (the last one
+padded): every chunk is spread over all devices, and cutting costs no communication.
+
+It runs inside ``jax.shard_map``: the weights are gathered once, made device-varying once
+before the loop, and each chunk's weight gradient adds up locally, so the backward reduces the
+weight gradients over the devices once after the loop rather than once per chunk (which is
+what automatic partitioning of a loop over a replicated weight does).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")
+TOKEN_AXES = ("data", "fsdp", "sequence")  # the axes that split tokens (not tensor)
 
 
 def num_chunks(local_len: int, chunk: int) -> tuple[int, int]:
@@ -24,42 +28,36 @@ def num_chunks(local_len: int, chunk: int) -> tuple[int, int]:
     return -(-local_len // chunk), chunk
 
 
-def constrain(a, mesh, spec):
-    return a if mesh is None else jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
-
-
-def slice_spec(ndim: int) -> P:
-    """[B, S, c, ...]: rows over (data, fsdp), the S slices over sequence."""
-    return P(BATCH_AXES, "sequence", *(None,) * (ndim - 2))
-
-
-def to_chunks(a_BL, chunk: int, mesh=None):
-    """[B, L, ...] -> [n, B, S, c, ...], padded with zeros past the end of each slice."""
-    B, L = a_BL.shape[:2]
-    S = mesh.shape["sequence"] if mesh is not None else 1
-    C = L // S
+def _scan_chunks(fn, weights, arrays, chunk: int, axis):
+    """Local: [b, C, ...] arrays -> fn over [b, c, ...] chunks -> [b, C, ...]."""
+    C = arrays[0].shape[1]
     n, c = num_chunks(C, chunk)
-    a = constrain(a_BL.reshape(B, S, C, *a_BL.shape[2:]), mesh, slice_spec(a_BL.ndim + 1))
-    if n * c != C:
-        pad = [(0, 0)] * a.ndim
-        pad[2] = (0, n * c - C)
-        a = jnp.pad(a, pad)
-    return jnp.moveaxis(a.reshape(B, S, n, c, *a.shape[3:]), 2, 0)
+
+    def split(a):
+        if n * c != C:
+            a = jnp.pad(a, [(0, 0), (0, n * c - C)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], n, c, *a.shape[2:]), 1, 0)
+
+    body = jax.checkpoint(lambda carry, xs: (carry, fn(weights, *xs, axis=axis)))
+    _, out = jax.lax.scan(body, None, tuple(split(a) for a in arrays))
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape(out.shape[0], n * c, *out.shape[3:])[:, :C]
 
 
-def from_chunks(a_nBSc, seq_len: int, mesh=None):
-    """Inverse of ``to_chunks``: [n, B, S, c, ...] -> [B, L, ...] (padding dropped)."""
-    n, B, S, c = a_nBSc.shape[:4]
-    C = seq_len // S
-    a = jnp.moveaxis(a_nBSc, 0, 2).reshape(B, S, n * c, *a_nBSc.shape[4:])[:, :, :C]
-    a = a.reshape(B, seq_len, *a_nBSc.shape[4:])
-    return constrain(a, mesh, P(BATCH_AXES, "sequence", *(None,) * (a.ndim - 2)))
+def map_chunks(fn, weights, weight_specs, arrays, chunk: int, mesh=None, out_rank=None):
+    """``fn(weights, *chunks, axis=...)`` over chunks of ``arrays`` ([B, L, ...] each, sharded
+    rows over data x fsdp and tokens over sequence), under remat: the backward recomputes one
+    chunk's insides at a time. ``fn`` sees the local ``weights`` (sharded by ``weight_specs``,
+    i.e. split over tensor at most) and reduces over ``axis`` ("tensor", or None without a
+    mesh) whatever the tensor split leaves partial; its output is per token, whole over tensor."""
+    if mesh is None:
+        return _scan_chunks(fn, weights, arrays, chunk, None)
 
+    def local(weights, *arrays):
+        weights = jax.tree.map(lambda w: jax.lax.pcast(w, TOKEN_AXES, to="varying"), weights)
+        return _scan_chunks(fn, weights, arrays, chunk, "tensor")
 
-def map_chunks(fn, arrays, chunk: int, mesh=None):
-    """``fn`` (per-token: [B, S, c, ...] arrays -> [B, S, c, ...]) over chunks of ``arrays``
-    ([B, L, ...] each), under remat: the backward recomputes one chunk's insides at a time."""
-    seq_len = arrays[0].shape[1]
-    body = jax.checkpoint(lambda carry, xs: (carry, fn(*xs)))
-    _, out = jax.lax.scan(body, None, tuple(to_chunks(a, chunk, mesh) for a in arrays))
-    return from_chunks(out, seq_len, mesh)
+    specs = tuple(P(BATCH_AXES, "sequence", *(None,) * (a.ndim - 2)) for a in arrays)
+    out_ndim = out_rank or arrays[0].ndim
+    return jax.shard_map(local, mesh=mesh, in_specs=(weight_specs, *specs),
+                         out_specs=P(BATCH_AXES, "sequence", *(None,) * (out_ndim - 2)))(weights, *arrays)

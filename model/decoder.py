@@ -76,8 +76,9 @@ class Decoder(nnx.Module):
         run over chunks of ``chunk`` tokens of each device's slice (model/loss.py)."""
         x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
         mesh = self.act_sharding.mesh if self.act_sharding is not None else None
-        return chunked_token_losses(x_BLD, labels_BL, mask_BL, self.final_norm, self.head[...],
-                                    chunk=chunk, mesh=mesh, compute_dtype=self.dtype)
+        return chunked_token_losses(x_BLD, labels_BL, mask_BL, self.final_norm.scale[...],
+                                    self.head[...], eps=self.final_norm.eps, chunk=chunk,
+                                    mesh=mesh, compute_dtype=self.dtype)
 
     def hidden(self, tokens_BL, positions_BL, segment_ids_BL):
         """The last block's output [B, L, D] (before the final norm), in the batch's layout."""

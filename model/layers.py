@@ -25,9 +25,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(x.dtype)
 
 
 def rope(x_BLHD, positions_BL, theta: float):
@@ -100,22 +104,13 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (m.ffn_dim, m.d_model), ("mlp", "embed"), out_std)
         self.dtype = dtype
 
-    def weights(self, mesh=None):
-        """The compute-dtype weights; with a mesh, gathered over fsdp x sequence (as FSDP
-        does for every weight) so that a loop over token chunks reuses one gathered copy."""
+    def __call__(self, x_BLD):
         c = lambda p: p[...].astype(self.dtype)
-        w = (c(self.w_gate), c(self.w_up), c(self.w_down))
-        if mesh is None:
-            return w
-        from model.chunks import constrain
-        P = jax.sharding.PartitionSpec
-        return (constrain(w[0], mesh, P(None, "tensor")), constrain(w[1], mesh, P(None, "tensor")),
-                constrain(w[2], mesh, P("tensor", None)))
+        return swiglu(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down))
 
-    def __call__(self, x_BLD, weights=None):
-        w_gate, w_up, w_down = self.weights() if weights is None else weights
-        h_BLF = jax.nn.silu(x_BLD @ w_gate) * (x_BLD @ w_up)
-        return h_BLF @ w_down
+
+def swiglu(x_BLD, w_gate_DF, w_up_DF, w_down_FD):
+    return (jax.nn.silu(x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
 
 
 class Block(nnx.Module):
@@ -135,6 +130,16 @@ class Block(nnx.Module):
         # At long context the MLP's [tokens, ffn_dim] activations are the layer's largest:
         # run it over chunks of each device's tokens under remat (it is per token).
         from model.chunks import map_chunks
-        weights = self.mlp.weights(self.mesh)
-        return x_BLD + map_chunks(lambda x: self.mlp(self.mlp_norm(x), weights), (x_BLD,),
-                                  self.mlp_chunk, self.mesh)
+        P = jax.sharding.PartitionSpec
+        eps, dtype = self.mlp_norm.eps, self.mlp.dtype
+        # The barrier keeps the cast before the FSDP gather (XLA would gather fp32 otherwise).
+        c = lambda p: jax.lax.optimization_barrier(p[...].astype(dtype))
+        weights = (self.mlp_norm.scale[...], c(self.mlp.w_gate), c(self.mlp.w_up), c(self.mlp.w_down))
+        specs = (P(), P(None, "tensor"), P(None, "tensor"), P("tensor", None))
+
+        def mlp(w, x_BcD, axis):
+            scale, w_gate, w_up, w_down = w
+            y_BcD = swiglu(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down)
+            return jax.lax.psum(y_BcD, axis) if axis else y_BcD  # partial over ffn_dim / tensor
+
+        return x_BLD + map_chunks(mlp, weights, specs, (x_BLD,), self.mlp_chunk, self.mesh)

@@ -35,7 +35,7 @@ def test_num_chunks():
 def test_chunked_equals_full_in_float64(mesh, chunk):
     with jax.enable_x64(True):
         rng = np.random.default_rng()
-        B, L, D, V = 4, 64, 24, 37 if mesh is None or mesh["tensor"] == 1 else 38
+        B, L, D, V = 4, 64, 24, 37  # an odd vocabulary: split over tensor=2 it is padded
         x = jnp.asarray(rng.normal(size=(B, L, D)))
         scale = jnp.asarray(1 + 0.1 * rng.normal(size=(D,)))
         head = jnp.asarray(rng.normal(size=(D, V)) / np.sqrt(D))
@@ -47,7 +47,7 @@ def test_chunked_equals_full_in_float64(mesh, chunk):
         m = make_mesh(mesh) if mesh else None
 
         def chunked(x, scale, head):
-            ce = chunked_token_losses(x, labels, mask, lambda y: rms(y, scale), head,
+            ce = chunked_token_losses(x, labels, mask, scale, head, eps=1e-5,
                                       chunk=chunk, mesh=m, compute_dtype=jnp.float64)
             return ce.sum() / mask.sum(), ce
 
@@ -68,12 +68,12 @@ def test_chunked_equals_full_in_float64(mesh, chunk):
 def test_trainer_loss_matches_the_full_logits():
     """The decoder's chunked token losses and chunked MLP (ring attention, striped, 8 devices)
     equal the cross-entropy of the unchunked decoder's full logits, loss and gradients."""
-    mesh_sizes = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+    mesh_sizes = {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}  # vocab 101: padded over tensor
     rng = np.random.default_rng()
     batch_np = natural_batch(rng, 4, 64, 101)
     seed = int(rng.integers(0, 2**31))
     trainers = []
-    for loss_chunk, mlp_chunk in ((3, 5), (0, 0)):  # 16-token slices: 6 and 4 chunks, padded
+    for loss_chunk, mlp_chunk in ((3, 5), (0, 0)):  # 32-token slices: 11 and 7 chunks, padded
         c = tiny_config("ring", "striped", mesh_sizes)
         c.train.loss_chunk, c.model.mlp_chunk = loss_chunk, mlp_chunk
         trainers.append(Trainer(c, make_mesh(c.mesh)))
