@@ -228,3 +228,18 @@ def test_chunked_loss_and_microbatches_lower_the_compiled_memory():
     # 8 rows x 256 tokens x 2048 vocab of fp32 logits per device, and their gradient.
     assert whole - chunked > 8 * 256 * 2048 * 4
     assert temporaries(32, 4) < 0.5 * chunked
+
+
+def test_recomputed_matmuls_follow_what_the_trainer_recomputes():
+    """The loss recomputes the head in every policy; the chunked MLP recomputes its matmuls
+    even where the policy would keep them; full remat recomputes every matmul."""
+    from model.flops import matmul_params
+    c = importlib.import_module("configs.llama_7b").get_config()
+    m = c.model
+    head, mlp = m.d_model * m.vocab_size, m.num_layers * 3 * m.d_model * m.ffn_dim
+    assert m.mlp_chunk > 0
+    assert step_time.recomputed_matmul_params(c, "full") == matmul_params(m)
+    assert step_time.recomputed_matmul_params(c, "attention") == head + mlp
+    c.model.mlp_chunk = 0
+    assert step_time.recomputed_matmul_params(c, "attention") == head
+    assert step_time.recomputed_matmul_params(c, "none") == head
