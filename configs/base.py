@@ -25,6 +25,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
     m.param_dtype = "float32"  # parameters and optimizer state stay in fp32
     m.remat = "full"  # activation checkpointing per layer: none | attention | full | offload
+    # The MLP (per token) runs over chunks of this many tokens of each device's slice under
+    # remat: its [tokens, ffn_dim] activations are a layer's largest at long context. 0 = whole.
+    m.mlp_chunk = 0
     m.scan_layers = True  # lax.scan over layers (False unrolls; only for debugging)
 
     c.attention = a = ml_collections.ConfigDict()
@@ -82,6 +85,14 @@ def get_config() -> ml_collections.ConfigDict:
     t.log_every = 10  # steps between metric reads (the only host syncs in the loop)
     t.eval_every = 0  # steps between held-out evaluations (0: only at the end)
     t.eval_batches = 4  # held-out batches per evaluation
+    # The final norm, head and cross-entropy run over chunks of this many tokens of each
+    # device's slice of a row (model/loss.py): the [B, L, V] fp32 logits and their gradient
+    # never exist whole. 0 = one chunk (the whole slice); a chunk not dividing the slice is padded.
+    t.loss_chunk = 2048
+    # Gradient accumulation: each global batch (data.batch_size rows) runs as this many
+    # sequential microbatches inside the step, one optimizer update per step; the loss is the
+    # token-weighted mean over all of them. Must divide the rows per data x fsdp group.
+    t.microbatches = 1
     t.peak_tflops = 0.0  # per-device peak for MFU; 0 looks the device up in a table
 
     c.checkpoint = k = ml_collections.ConfigDict()

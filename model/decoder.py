@@ -4,11 +4,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from model.layers import AttentionBackend, Block, RMSNorm, _param
+from model.loss import chunked_token_losses
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMAT = ("none", "attention", "full", "offload")
+REMAT = ("none", "attention", "full", "offload", "offload_input")
 
 
 def compute_dtype(name: str):
@@ -18,19 +20,29 @@ def compute_dtype(name: str):
     return DTYPES[name]
 
 
-def remat_policy(name: str):
+def remat_policy(name: str, platform: str | None = None):
     """What each layer keeps for the backward pass; everything else is recomputed.
 
     none: keep all activations. full: keep only the layer input. attention: keep the
     projection matmuls, recompute attention and elementwise work. offload: like attention,
-    but the kept matmul outputs live in host memory (GPU/TPU only)."""
+    but the kept matmul outputs live in host memory (GPU/TPU only). offload_input: like full,
+    but the layer inputs live in host memory (GPU/TPU only): the device holds one layer's
+    input at a time, the stack of all of them (layers x tokens x d_model) stays on the host.
+    On a CPU (no separate host memory) offload is attention and offload_input is full."""
     cp = jax.checkpoint_policies
+    platform = platform or jax.default_backend()
     if name == "full":
         return cp.nothing_saveable
+    if name == "offload_input":
+        if platform == "cpu":
+            return cp.nothing_saveable
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+            offload_src="device", offload_dst="pinned_host")
     if name == "attention":
         return cp.dots_with_no_batch_dims_saveable
     if name == "offload":
-        if jax.default_backend() == "cpu":
+        if platform == "cpu":
             return cp.dots_with_no_batch_dims_saveable  # no separate host memory to offload to
         return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
     return None
@@ -52,7 +64,24 @@ class Decoder(nnx.Module):
             ("data", "fsdp"), "sequence", None)) if backend.mesh is not None else None)
 
     def __call__(self, tokens_BL, positions_BL, segment_ids_BL):
-        """Logits [B, L, V] in fp32, in the batch's token layout."""
+        """Logits [B, L, V] in fp32, in the batch's token layout (generation; training never
+        makes them whole: see token_losses)."""
+        x_BLD = self.final_norm(self.hidden(tokens_BL, positions_BL, segment_ids_BL))
+        return jnp.einsum("bld,dv->blv", x_BLD, self.head[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def token_losses(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL,
+                     chunk: int):
+        """Masked next-token cross-entropy [B, L] in fp32; the final norm, head and softmax
+        run over chunks of ``chunk`` tokens of each device's slice (model/loss.py)."""
+        x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+        mesh = self.act_sharding.mesh if self.act_sharding is not None else None
+        return chunked_token_losses(x_BLD, labels_BL, mask_BL, self.final_norm.scale[...],
+                                    self.head[...], eps=self.final_norm.eps, chunk=chunk,
+                                    mesh=mesh, compute_dtype=self.dtype)
+
+    def hidden(self, tokens_BL, positions_BL, segment_ids_BL):
+        """The last block's output [B, L, D] (before the final norm), in the batch's layout."""
         embed_VD = self.embed[...]
         if self.act_sharding is not None:
             # Gather the (fsdp x sequence)-sharded table whole first, as FSDP does for every
@@ -66,6 +95,9 @@ class Decoder(nnx.Module):
         def layer(x_BLD, layer_state):
             if self.act_sharding is not None:
                 x_BLD = jax.lax.with_sharding_constraint(x_BLD, self.act_sharding)
+            # Under remat the layer inputs are what the scan keeps for the backward
+            # ([layers, B, L, D]); offload_input moves exactly these to host memory.
+            x_BLD = checkpoint_name(x_BLD, "layer_input")
             block = nnx.merge(graphdef, layer_state)
             return block(x_BLD, positions_BL, segment_ids_BL), None
 
@@ -76,9 +108,7 @@ class Decoder(nnx.Module):
         else:
             for i in range(self.num_layers):
                 x_BLD, _ = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
-        x_BLD = self.final_norm(x_BLD)
-        return jnp.einsum("bld,dv->blv", x_BLD, self.head[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return x_BLD
 
 
 def backend_from_config(config, mesh=None) -> AttentionBackend:

@@ -25,9 +25,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(x.dtype)
 
 
 def rope(x_BLHD, positions_BL, theta: float):
@@ -116,8 +120,11 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BLD):
         c = lambda p: p[...].astype(self.dtype)
-        h_BLF = jax.nn.silu(x_BLD @ c(self.w_gate)) * (x_BLD @ c(self.w_up))
-        return h_BLF @ c(self.w_down)
+        return swiglu(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down))
+
+
+def swiglu(x_BLD, w_gate_DF, w_up_DF, w_down_FD):
+    return (jax.nn.silu(x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
 
 
 class Block(nnx.Module):
@@ -128,7 +135,25 @@ class Block(nnx.Module):
         self.attn = Attention(m, backend, dtype, rngs)
         self.mlp_norm = RMSNorm(m.d_model, m.norm_eps)
         self.mlp = SwiGLU(m, dtype, rngs)
+        self.mlp_chunk, self.mesh = m.mlp_chunk, backend.mesh
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
-        return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        if not self.mlp_chunk:
+            return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        # At long context the MLP's [tokens, ffn_dim] activations are the layer's largest:
+        # run it over chunks of each device's tokens under remat (it is per token).
+        from model.chunks import map_chunks
+        P = jax.sharding.PartitionSpec
+        eps, dtype = self.mlp_norm.eps, self.mlp.dtype
+        # The barrier keeps the cast before the FSDP gather (XLA would gather fp32 otherwise).
+        c = lambda p: jax.lax.optimization_barrier(p[...].astype(dtype))
+        weights = (self.mlp_norm.scale[...], c(self.mlp.w_gate), c(self.mlp.w_up), c(self.mlp.w_down))
+        specs = (P(), P(None, "tensor"), P(None, "tensor"), P("tensor", None))
+
+        def mlp(w, x_BcD, axis):
+            scale, w_gate, w_up, w_down = w
+            y_BcD = swiglu(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down)
+            return jax.lax.psum(y_BcD, axis) if axis else y_BcD  # partial over ffn_dim / tensor
+
+        return x_BLD + map_chunks(mlp, weights, specs, (x_BLD,), self.mlp_chunk, self.mesh)

@@ -79,6 +79,8 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         "attention": {"impl": base.attention.impl, "block_q": base.attention.block_q,
                       "block_kv": base.attention.block_kv, "stripe": base.attention.stripe},
         "remat": primary,
+        "microbatches": base.train.microbatches, "loss_chunk": base.train.loss_chunk,
+        "mlp_chunk": base.model.mlp_chunk,
         "params": param_count(m),  # equal to the built decoder's count (tests/test_params.py)
         "flops_per_token": {
             "model": flops_per_token(m, seq_len),
@@ -100,9 +102,11 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
                             f"run scripts/plan.py in a fresh process (it simulates them)")
         devices = devices[:num_devices]
 
-        to_compile = [r for r in remats if r != "offload"]
+        to_compile = [r for r in remats if r not in ESTIMATED]
         if "offload" in remats:
             to_compile += [r for r in ("attention", "full") if r not in to_compile]
+        if "offload_input" in remats and "full" not in to_compile:
+            to_compile.append("full")
         for r in to_compile:
             programs[r] = compile_step(planned_config(config, seq_len, global_rows, mesh_sizes, r), devices)
 
@@ -120,6 +124,15 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
                 "offload is estimated: XLA CPU compiles no host offload, so device memory is the full "
                 "remat program plus one layer's saved matmul outputs, and host memory the attention "
                 "program's extra temporaries")
+        if "offload_input" in remats:
+            memory["offload_input"] = _offload_input_estimate(
+                programs["full"].memory, layer_input_bytes(base, mesh_sizes, global_rows, dtype_bytes),
+                m.num_layers)
+            colls_by_remat["offload_input"] = colls_by_remat["full"]
+            plan["notes"].append(
+                "offload_input is estimated: XLA CPU compiles no host offload, so device memory is "
+                "the full remat program less the stacked layer inputs but one layer's, and host "
+                "memory those inputs")
         usable = hw.memory_bytes * hwlib.USABLE_FRACTION
         for r in memory:
             memory[r]["fits"] = memory[r]["total"] <= usable
@@ -165,6 +178,25 @@ def _state_axes() -> list[str]:
 
 def _state_replicated_over(mesh_sizes: dict) -> list[str]:
     return [f"{a}={s}" for a, s in mesh_sizes.items() if s > 1 and a not in _state_axes()]
+
+
+ESTIMATED = ("offload", "offload_input")  # remat policies the CPU cannot compile as such
+
+
+def layer_input_bytes(config, mesh_sizes: dict, global_rows: int, dtype_bytes: int) -> int:
+    """Per device, one layer's input [rows, tokens, d_model] of one microbatch: what the layer
+    scan keeps per layer under full remat (activations are not split over tensor)."""
+    rows = global_rows // (mesh_sizes["data"] * mesh_sizes["fsdp"]) // config.train.microbatches
+    return rows * (config.data.seq_len // mesh_sizes["sequence"]) * config.model.d_model * dtype_bytes
+
+
+def _offload_input_estimate(full, per_layer: int, num_layers: int) -> dict:
+    """Device: the full program less the stacked inputs but the one being recomputed."""
+    on_host = per_layer * max(num_layers - 1, 0)
+    out = {**full.as_dict(), "estimated": True, "host_temporaries": per_layer * num_layers}
+    out["temporaries"] = max(full.temporaries - on_host, 0)
+    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+    return out
 
 
 def _offload_estimate(attention, full, num_layers: int) -> dict:

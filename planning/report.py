@@ -44,7 +44,10 @@ def markdown(plan: dict) -> str:
         f"seq_len {plan['seq_len']:,}, global batch {plan['global_batch']} "
         f"({plan['rows_per_replica']} per data x fsdp group), {plan['tokens_per_step']:,} tokens "
         f"per step; compute {plan['dtype']}, params {plan['param_dtype']}; attention "
-        f"{a['impl']} {a['block_q']}x{a['block_kv']} tiles; hardware: {plan['hardware_note']}.",
+        f"{a['impl']} {a['block_q']}x{a['block_kv']} tiles; {plan.get('microbatches', 1)} "
+        f"microbatch(es) per step; loss over chunks of {plan.get('loss_chunk', 0) or 'all'} and "
+        f"MLP over chunks of {plan.get('mlp_chunk', 0) or 'all'} tokens per device; hardware: "
+        f"{plan['hardware_note']}.",
         "",
         "| quantity | value |",
         "|---|---|",

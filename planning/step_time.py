@@ -27,8 +27,8 @@ from planning.hardware import Hardware, link_bandwidth
 FWD_PAIR_FLOPS = 4
 BWD_PAIR_FLOPS = 10
 # Remat policies that recompute the attention forward / the layer's matmuls in the backward.
-RECOMPUTES_ATTENTION = ("attention", "full", "offload")
-RECOMPUTES_MATMULS = ("full",)
+RECOMPUTES_ATTENTION = ("attention", "full", "offload", "offload_input")
+RECOMPUTES_MATMULS = ("full", "offload_input")
 
 
 @dataclasses.dataclass
@@ -99,14 +99,23 @@ def ring_layer_time(tiles: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, r
             "compute_bound_rounds": int((fwd_compute >= send_fwd).sum())}
 
 
+def recomputed_matmul_params(config, remat: str) -> int:
+    """Matmul parameters per token whose forward the backward runs again, as the trainer does:
+    the head always (the loss runs its chunks under remat, model/loss.py), every layer's
+    matmuls under full remat, else the MLP's when it runs in chunks (model.mlp_chunk)."""
+    m = config.model
+    head = m.d_model * m.vocab_size
+    if remat in RECOMPUTES_MATMULS:
+        return matmul_params(m)
+    return head + (m.num_layers * 3 * m.d_model * m.ffn_dim if m.get("mlp_chunk", 0) else 0)
+
+
 def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: str,
                colls: list | None, mesh_sizes: dict) -> dict:
     """Seconds of everything but attention: matmuls vs the non-ring collectives."""
     m = config.model
     tokens = global_rows * config.data.seq_len
-    per_token = 6 * matmul_params(m)
-    if remat in RECOMPUTES_MATMULS:  # the layers' forward matmuls run again (not the head)
-        per_token += 2 * (matmul_params(m) - m.d_model * m.vocab_size)
+    per_token = 6 * matmul_params(m) + 2 * recomputed_matmul_params(config, remat)
     compute = per_token * tokens / num_devices / hw.peak_flops
     comm, source = 0.0, "compiled HLO"
     if colls is not None:

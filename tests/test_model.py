@@ -1,4 +1,6 @@
 """The decoder: shapes, causality, RoPE from given positions, layout invariance, packing."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,3 +129,27 @@ def test_document_mask_off_attends_across_documents():
     one_doc = np.asarray(masked(tok, pos, jnp.ones_like(seg)))
     np.testing.assert_allclose(got, one_doc, rtol=1e-6, atol=1e-6)
     assert np.abs(got[:, 10:] - np.asarray(masked(tok, pos, seg))[:, 10:]).max() > 1e-3
+
+
+def test_offload_input_keeps_only_the_layer_inputs_and_on_the_host(monkeypatch):
+    """Under offload_input on a GPU/TPU the layer scan's one stacked residual is the layer
+    inputs [layers, B, L, D], in host memory; on a CPU it runs as full remat."""
+    import model.decoder as dec
+    c = small_config()
+    c.model.update(remat="offload_input", num_layers=3)
+    rng = np.random.default_rng()
+    model = make_model(config=c)
+    tok = random_tokens(rng, 2, 16)
+    pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        return (nnx.merge(graphdef, params).hidden(tok, pos, jnp.ones((2, 16), jnp.int32)) ** 2).sum()
+
+    cpu_grads = jax.grad(loss)(params)
+    real_policy = dec.remat_policy
+    monkeypatch.setattr(dec, "remat_policy", lambda name: real_policy(name, "gpu"))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+    stacked = re.findall(r"f32(<host>)?\[3,2,16,32\]", jaxpr)
+    assert stacked and all(kind == "<host>" for kind in stacked), stacked
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(cpu_grads))

@@ -212,3 +212,34 @@ def test_a_mesh_or_config_that_does_not_divide_gives_one_line(args, expected):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], run.stderr
     assert run.stdout == ""
+
+
+def test_chunked_loss_and_microbatches_lower_the_compiled_memory():
+    """The planner compiles the real step: the whole-slice loss holds [rows, tokens, vocab]
+    logits and k microbatches hold 1/k of the activations; chunking and accumulating show."""
+    mesh = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+
+    def temporaries(loss_chunk, microbatches):
+        c = planned_config(importlib.import_module("configs.tiny").get_config(), 1024, 16, mesh, "full")
+        c.train.update(loss_chunk=loss_chunk, microbatches=microbatches)
+        return compile_step(c, jax.devices()).memory.temporaries
+
+    whole, chunked = temporaries(0, 1), temporaries(32, 1)
+    # 8 rows x 256 tokens x 2048 vocab of fp32 logits per device, and their gradient.
+    assert whole - chunked > 8 * 256 * 2048 * 4
+    assert temporaries(32, 4) < 0.5 * chunked
+
+
+def test_recomputed_matmuls_follow_what_the_trainer_recomputes():
+    """The loss recomputes the head in every policy; the chunked MLP recomputes its matmuls
+    even where the policy would keep them; full remat recomputes every matmul."""
+    from model.flops import matmul_params
+    c = importlib.import_module("configs.llama_7b").get_config()
+    m = c.model
+    head, mlp = m.d_model * m.vocab_size, m.num_layers * 3 * m.d_model * m.ffn_dim
+    assert m.mlp_chunk > 0
+    assert step_time.recomputed_matmul_params(c, "full") == matmul_params(m)
+    assert step_time.recomputed_matmul_params(c, "attention") == head + mlp
+    c.model.mlp_chunk = 0
+    assert step_time.recomputed_matmul_params(c, "attention") == head
+    assert step_time.recomputed_matmul_params(c, "none") == head

@@ -57,3 +57,34 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh):
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_microbatches_equal_the_single_batch_step():
+    """k sequential microbatches give the one-batch loss (token-weighted: rows carry different
+    numbers of unmasked tokens) and gradients, and the step reports them."""
+    k, mesh = 4, {"data": 2, "fsdp": 1, "sequence": 2, "tensor": 2}
+    rng = np.random.default_rng()
+    seed = int(rng.integers(0, 2**31))
+    batch_np = natural_batch(rng, 8, 64, 101)
+    batch_np["loss_mask"][3] = 0  # an all-padding row
+    batch_np["loss_mask"][5, 20:] = 0  # and a short one
+    results = []
+    for micro in (1, k):
+        c = config("ring", "striped", mesh)
+        c.data.batch_size = 8
+        c.train.microbatches = micro
+        trainer = Trainer(c, make_mesh(c.mesh))
+        batch = {key: jax.device_put(v, trainer.batch_shardings[key]) for key, v in batch_np.items()}
+        state = trainer.init(seed)
+        loss, count, grads = jax.jit(trainer.gradients)(state.params, batch)
+        results.append((float(loss), float(count), jax.device_get(grads)))
+    (loss1, count1, g1), (lossk, countk, gk) = results
+    assert count1 == countk == batch_np["loss_mask"].sum()
+    assert abs(lossk - loss1) < 2e-6 * abs(loss1)
+    for got, want in zip(jax.tree.leaves(gk), jax.tree.leaves(g1)):
+        assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+    _, metrics = trainer.train_step(state, batch)  # the k-microbatch step
+    norm1 = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in jax.tree.leaves(g1)))
+    assert abs(float(metrics["loss"]) - loss1) < 2e-6 * abs(loss1)
+    assert abs(float(metrics["grad_norm"]) - norm1) < 1e-5 * norm1
+    assert float(metrics["tokens"]) == count1

@@ -113,13 +113,14 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     t = config.train
     log.set_start(start)
     m, L = config.model, config.data.seq_len
-    tokens_per_step = config.data.batch_size * L
+    tokens_per_step = config.data.batch_size * L  # all microbatches: the whole global batch
     flops_tok = flops_per_token(m, L)
     peak = peak_flops_total(override_tflops=t.peak_tflops)
     log.write(f"model: {param_count(m) / 1e6:.1f}M params, {flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
               f"{config.attention.layout}, kernel {kernel_note(config, mesh)}; "
-              f"{tokens_per_step} tokens/step; workdir {workdir}")
+              f"{tokens_per_step} tokens/step"
+              f"{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}; workdir {workdir}")
 
     heldout = pipe.heldout_batches(t.eval_batches) if t.eval_batches else []
     evals = []

@@ -45,6 +45,8 @@ class Trainer:
         self.state_shardings = TrainState(step=replicated, params=self.param_shardings,
                                           opt_state=opt_shardings, bad_step=replicated)
         self.batch_shardings = {k: batch_sharding(mesh) for k in BATCH_KEYS}
+        self._micro_sharding = NamedSharding(mesh, P(None, *batch_sharding(mesh).spec))
+        self._grad_shardings = self.param_shardings
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_pure,
@@ -69,17 +71,52 @@ class Trainer:
     def token_losses(self, params, batch):
         """Next-token cross-entropy per token ``[B, L]`` in the batch's layout, 0 where masked."""
         model = nnx.merge(self.graphdef, params)
-        logits_BLV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["labels"])
-        return ce_BL * batch["loss_mask"]
+        return model.token_losses(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                  batch["labels"], batch["loss_mask"],
+                                  chunk=self.config.train.loss_chunk)
 
     def loss(self, params, batch):
         """Mean over unmasked tokens (order-free, so any layout works) and their count."""
         count = jnp.maximum(batch["loss_mask"].sum(), 1.0)
         return self.token_losses(params, batch).sum() / count, count
 
+    def gradients(self, params, batch):
+        """(mean loss over unmasked tokens, their count, gradients) of one global batch.
+
+        With ``train.microbatches=k`` the batch runs as k sequential microbatches (a scan):
+        each adds the gradient of its masked loss sum over the whole batch's token count, so
+        the result is the one-batch loss and gradient, with 1/k of the activations."""
+        k = self.config.train.microbatches
+        if k <= 1:
+            (loss, count), grads = jax.value_and_grad(self.loss, has_aux=True)(params, batch)
+            return loss, count, grads
+        count = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+
+        def split(x_BL):
+            # Row j*k + i goes to microbatch i: each device's contiguous block of rows splits
+            # into k local pieces, so no microbatch moves data between devices.
+            B = x_BL.shape[0]
+            x_kBL = jnp.swapaxes(x_BL.reshape(B // k, k, *x_BL.shape[1:]), 0, 1)
+            return jax.lax.with_sharding_constraint(x_kBL, self._micro_sharding)
+
+        def micro_loss(params, micro):
+            return self.token_losses(params, micro).sum() / count
+
+        def body(carry, micro):
+            loss_sum, grads = carry
+            loss, g = jax.value_and_grad(micro_loss)(params, micro)
+            grads = jax.tree.map(jnp.add, grads, g)
+            grads = jax.lax.with_sharding_constraint(grads, self._grad_shardings)
+            return (loss_sum + loss, grads), None
+
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
+                                                 self._grad_shardings)
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                        {key: split(v) for key, v in batch.items()})
+        return loss, count, grads
+
     def _train_step(self, state: TrainState, batch):
-        (loss, count), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch)
+        loss, count, grads = self.gradients(state.params, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss)

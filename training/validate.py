@@ -36,6 +36,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(hd % 2 == 0, f"head dim {hd} must be even for RoPE (model.head_dim / d_model / num_heads)")
     _need(m.dtype in (*DTYPES, "auto"), f"model.dtype={m.dtype!r} is not one of float32, bfloat16, auto")
     _need(m.param_dtype == "float32", f"model.param_dtype={m.param_dtype!r}: only float32 is supported")
+    _need(m.mlp_chunk >= 0, f"model.mlp_chunk={m.mlp_chunk} must be >= 0 (tokens per MLP chunk; 0 = whole)")
     _need(m.remat in REMAT, f"model.remat={m.remat!r} is not one of {', '.join(REMAT)}")
 
     _need(a.impl in IMPLS, f"attention.impl={a.impl!r} is not one of {', '.join(IMPLS)}")
@@ -62,6 +63,11 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     rows = sizes["data"] * sizes["fsdp"]
     _need(d.batch_size >= 1 and d.batch_size % rows == 0,
           f"data.batch_size={d.batch_size} must be a positive multiple of mesh data x fsdp = {rows}")
+    per_replica = d.batch_size // rows
+    _need(t.microbatches >= 1 and per_replica % t.microbatches == 0,
+          f"train.microbatches={t.microbatches} must be >= 1 and divide the rows per data x fsdp "
+          f"group (data.batch_size {d.batch_size} / {rows} = {per_replica}); valid: "
+          f"{', '.join(str(i) for i in range(1, per_replica + 1) if per_replica % i == 0)}")
     n = sizes["sequence"]
     try:
         check_layout(a.layout, d.seq_len, n, a.stripe)
@@ -88,6 +94,8 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
     _need(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every and train.eval_batches must be >= 0")
     _need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
+    _need(t.loss_chunk >= 0,
+          f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per loss chunk; 0 = no chunking)")
     _need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be >= 0 (0 = device table)")
     _need(k.every >= 0 and k.keep >= 1,
           f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")

@@ -1,0 +1,53 @@
+"""Next-token cross-entropy over chunks of tokens: the [B, L, V] logits never exist whole.
+
+At long context the head's fp32 logits (and their gradient, and the softmax's temporaries) are
+among the largest tensors of a step: 32k tokens of a 32k vocabulary are 4 GB per device. Here
+the final norm, the head projection and the cross-entropy run in a ``lax.scan`` over chunks of
+each device's slice of the sequence (model/chunks.py), each chunk under ``jax.checkpoint``:
+the forward keeps only the per-token losses, the backward recomputes one chunk's logits at a
+time.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from model.chunks import map_chunks, num_chunks  # noqa: F401
+from model.layers import rms_norm
+
+
+def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, eps: float,
+                         chunk: int, mesh=None, compute_dtype=jnp.float32):
+    """Per-token masked cross-entropy ``[B, L]`` (fp32, 0 where masked) of hidden states
+    ``x_BLD`` (before the final RMSNorm of ``norm_scale_D``) against ``labels_BL``, in the
+    batch's layout. The vocabulary is split over the mesh's tensor axis (padded to divide)."""
+    acc = jnp.promote_types(compute_dtype, jnp.float32)  # fp32 logits (fp64 in the tests)
+    V = head_DV.shape[1]
+    t = mesh.shape["tensor"] if mesh is not None else 1
+    # The barrier keeps the cast before the FSDP gather (XLA would gather fp32 otherwise).
+    head_DV = jax.lax.optimization_barrier(head_DV.astype(compute_dtype))
+    if V % t:
+        head_DV = jnp.pad(head_DV, ((0, 0), (0, t - V % t)))
+
+    def one_chunk(w, x_BcD, labels_Bc, mask_Bc, axis):
+        scale_D, head_Dv = w
+        logits_Bcv = jnp.einsum("bcd,dv->bcv", rms_norm(x_BcD, scale_D, eps), head_Dv,
+                                preferred_element_type=acc)
+        v = logits_Bcv.shape[-1]
+        first = jax.lax.axis_index(axis) * v if axis else 0  # this shard's first vocab id
+        logits_Bcv = jnp.where(first + jnp.arange(v) < V, logits_Bcv, jnp.finfo(acc).min)
+        m_Bc = jax.lax.stop_gradient(logits_Bcv.max(-1))
+        if axis:
+            m_Bc = jax.lax.pmax(m_Bc, axis)
+        sum_Bc = jnp.exp(logits_Bcv - m_Bc[..., None]).sum(-1)
+        local_Bc = labels_Bc - first
+        inside_Bc = (local_Bc >= 0) & (local_Bc < v)
+        picked_Bc = jnp.take_along_axis(logits_Bcv, jnp.clip(local_Bc, 0, v - 1)[..., None],
+                                        -1)[..., 0] * inside_Bc
+        if axis:
+            sum_Bc, picked_Bc = jax.lax.psum(sum_Bc, axis), jax.lax.psum(picked_Bc, axis)
+        return (jnp.log(sum_Bc) + m_Bc - picked_Bc) * mask_Bc
+
+    return map_chunks(one_chunk, (norm_scale_D, head_DV), (P(), P(None, "tensor")),
+                      (x_BLD, labels_BL, mask_BL.astype(acc)), chunk, mesh, out_rank=2)
