@@ -34,6 +34,30 @@ class Work:
         """Sum over rounds of the busiest device's tiles: the ring's time in tile units."""
         return int(self.tiles.max(axis=1).sum())
 
+    def strategy_critical_path(self, impl: str = "ring", ulysses: int = 1) -> float:
+        """Attention time in tile units of a context-parallel strategy (``parallel/attention.py``)
+        from the same tile pairs: what waits for what differs, the pairs computed do not.
+
+        ring: the sum over rounds of the busiest device. allgather: nothing waits between
+        chunks, so the busiest device's total. ulysses: every device computes all chunk pairs
+        on 1/N of the heads, the total / N. usp (U-device groups, a ring of N/U across them):
+        per ring round, the busiest group's U x U chunk pairs / U.
+        """
+        t, n = self.tiles, self.num_shards
+        if impl == "ring":
+            return float(self.critical_path)
+        if impl == "allgather":
+            return float(t.sum(axis=0).max())
+        u = n if impl == "ulysses" else ulysses
+        if u < 1 or n % u:
+            raise ValueError(f"ulysses degree {u} does not divide {n} shards")
+        a = np.arange(n)
+        pair = t[(a[:, None] - a[None, :]) % n, a[:, None]]  # [q chunk, kv chunk]
+        r = n // u
+        groups = pair.reshape(r, u, r, u).sum(axis=(1, 3)) / u  # [q group, kv group]
+        g = np.arange(r)
+        return float(groups[g[None, :], (g[None, :] - g[:, None]) % r].max(axis=1).sum())
+
     @property
     def total(self) -> int:
         return int(self.tiles.sum())
