@@ -226,8 +226,8 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
     comm, source = 0.0, "compiled HLO"
     if colls is not None:
         for c in colls:
-            if c.kind == "collective-permute":
-                continue  # the ring's, modelled per round above
+            if c.kind in ("collective-permute", "all-to-all"):
+                continue  # the ring's and Ulysses' (only attention uses them), modelled above
             bw = link_bandwidth(hw, coll.crosses_nodes(c, hw.node_size))
             comm += c.count * coll.link_traffic(c) / bw
     else:
