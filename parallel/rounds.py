@@ -60,8 +60,8 @@ class Forward:
     def init(self) -> bw.Acc:
         return bw.init_acc(bw.to_q_major(self.q, self.hkv))
 
-    def _query(self, i):
-        c = self.chunk
+    def _query(self, i, whole=False):
+        c = self.q.shape[1] if whole else self.chunk
         q, pos, seg = _sl(self.q, i * c, c, 1), _sl(self.pos, i * c, c, 1), _sl(self.seg, i * c, c, 1)
         if self.call.kernel == "xla":
             return bw.to_q_major(q.astype(jnp.float32) * self.call.scale, self.hkv), pos, seg
@@ -78,8 +78,9 @@ class Forward:
     def attend(self, kv: bw.KV, acc: bw.Acc) -> bw.Acc:
         """Folds a K/V block (a whole number of chunks) into the accumulators."""
         c, nk = self.chunk, _chunks(kv.k, self.chunk, 2)
-        if self.nq == 1 and nk == 1:
-            return self._pair(self._query(0), kv, acc)
+        if (self.nq == 1 and nk == 1) or self.call.kernel == "xla":
+            # The XLA kernel builds its work lists per tile over any number of chunks.
+            return self._pair(self._query(0, whole=True), kv, acc)
 
         def q_chunk(i, acc):
             query = self._query(i)
@@ -121,8 +122,8 @@ class Backward:
         # zeros_like: varies over the same mesh axes as q
         return jnp.zeros_like(bw.to_q_major(self.q, self.hkv), dtype=jnp.float32)
 
-    def _query(self, i):
-        c = self.chunk
+    def _query(self, i, whole=False):
+        c = self.q.shape[1] if whole else self.chunk
         q, pos, seg = _sl(self.q, i * c, c, 1), _sl(self.pos, i * c, c, 1), _sl(self.seg, i * c, c, 1)
         do, lse, delta = (_sl(x, i * c, c, 2) for x in (self.do, self.lse, self.delta))
         if self.call.kernel == "xla":
@@ -144,8 +145,8 @@ class Backward:
         """``dq`` accumulated (unscaled, ``[B, K, S, G, D]`` fp32) and the block's fp32
         ``dk``/``dv`` ``[B, K, Sk, D]``."""
         c, nk = self.chunk, _chunks(kv.k, self.chunk, 2)
-        if self.nq == 1 and nk == 1:
-            return self._pair(self._query(0), kv, dq)
+        if (self.nq == 1 and nk == 1) or self.call.kernel == "xla":
+            return self._pair(self._query(0, whole=True), kv, dq)
         zeros = jnp.zeros_like(kv.k, dtype=jnp.float32)
 
         def q_chunk(i, carry):
