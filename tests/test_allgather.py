@@ -46,6 +46,25 @@ def test_allgather_bf16(rng):
     run_all_layouts(rng, 4, (4, 2), "packed", dtype=jnp.bfloat16, tol=2e-2, block_q=4, block_kv=4)
 
 
+@pytest.fixture
+def scatter_mode(monkeypatch):
+    """Sets which platforms all-reduce instead of reduce-scattering dK/dV; the compiled
+    programs (cached per configuration) are dropped before and after."""
+    from parallel import allgather, attention
+
+    def set_mode(platforms):
+        attention._backward_program.cache_clear()
+        monkeypatch.setattr(allgather, "ALL_REDUCE_INSTEAD_OF_SCATTER", platforms)
+    yield set_mode
+    attention._backward_program.cache_clear()
+
+
+def test_allgather_with_reduce_scatter(rng, scatter_mode):
+    """The accelerators' path (reduce-scatter) is exact too."""
+    scatter_mode(set())
+    run_all_layouts(rng, 4, (4, 2), "causal", layouts=[("zigzag", 1)], block_q=4, block_kv=4)
+
+
 def test_allgather_through_the_fused_kernel(rng):
     """The Pallas kernel (interpret mode on a CPU) through the same chunk loop."""
     run_all_layouts(rng, 2, (4, 2), "packed", block_q=4, block_kv=8, kernel="pallas_gpu",
@@ -55,8 +74,8 @@ def test_allgather_through_the_fused_kernel(rng):
 def _collectives(jaxpr, out=None):
     out = [] if out is None else out
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("all_gather", "reduce_scatter", "psum_scatter", "ppermute",
-                                  "all_to_all"):
+        if eqn.primitive.name in ("all_gather", "reduce_scatter", "psum_scatter", "psum",
+                                  "psum_invariant", "ppermute", "all_to_all"):
             out.append((eqn.primitive.name, str(eqn.invars[0].aval.dtype),
                         tuple(eqn.invars[0].aval.shape)))
         for param in eqn.params.values():
@@ -67,9 +86,12 @@ def _collectives(jaxpr, out=None):
     return out
 
 
-def test_allgather_traffic():
+@pytest.mark.parametrize("scatter", [True, False], ids=["reduce_scatter", "cpu_all_reduce"])
+def test_allgather_traffic(scatter_mode, scatter):
     """Forward: K/V (the Hkv heads only, input dtype) and positions gathered once, nothing
-    else moves. Backward: gathered again (residuals stay sharded), fp32 dK/dV reduce-scattered."""
+    else moves. Backward: gathered again (residuals stay sharded), fp32 dK/dV reduce-scattered
+    (on a CPU: all-reduced, then each device keeps its chunk)."""
+    scatter_mode(set() if scatter else {"cpu"})
     n = 4
     q = jnp.zeros((1, 8 * n, 4, D), jnp.bfloat16)
     kv = jnp.zeros((1, 8 * n, 1, D), jnp.bfloat16)
@@ -79,7 +101,8 @@ def test_allgather_traffic():
     block = (1, 1, 8, D)  # [B, Hkv, chunk, D] per device
     assert sorted(fwd) == sorted([("all_gather", "bfloat16", block)] * 2 + [("all_gather", "int32", (1, 8))])
     both = _collectives(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, kv, kv).jaxpr)
-    scatter = [c for c in both if c[0] in ("reduce_scatter", "psum_scatter")]
-    assert scatter == [(scatter[0][0], "float32", (1, 1, 8 * n, D))] * 2
+    reduce = [c for c in both if c[0] in ("reduce_scatter", "psum_scatter", "psum", "psum_invariant")]
+    assert [c[1:] for c in reduce] == [("float32", (1, 1, 8 * n, D))] * 2
+    assert all((c[0] in ("reduce_scatter", "psum_scatter")) == scatter for c in reduce)
     assert not [c for c in both if c[0] in ("ppermute", "all_to_all")]
     assert len([c for c in both if c[0] == "all_gather"]) == 2 * len(fwd)
