@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 from jax import lax
 
 from parallel import blockwise as bw
@@ -35,7 +36,7 @@ def check_heads(impl: str, q_heads: int, kv_heads: int, axis_size: int, u) -> No
     g = math.gcd(q_heads, kv_heads)
     if impl == "ulysses":
         if g % axis_size:
-            ok = [d for d in _divisors(g)]
+            ok = _divisors(g)
             raise ValueError(
                 f"ulysses splits heads over the {axis_size}-way sequence axis, but query heads "
                 f"({q_heads}) and kv heads ({kv_heads}) per tensor shard are not both divisible "
@@ -90,7 +91,6 @@ def backward_local(ring):
     hops = ring.size // ring.ulysses
 
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKSG, dout_BCHD):
-        import jax.numpy as jnp
         chunk = q_BCHD.shape[1]
         # Row sums of dout * out where the output lives: [B, C, Hq] moves instead of the output.
         delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
