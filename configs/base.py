@@ -31,7 +31,14 @@ def get_config() -> ml_collections.ConfigDict:
     m.scan_layers = True  # lax.scan over layers (False unrolls; only for debugging)
 
     c.attention = a = ml_collections.ConfigDict()
-    a.impl = "ring"  # ring: context-parallel attention over the sequence axis; dense: reference
+    # How the sequence axis splits attention (all exact, all read the true positions):
+    # ring: K/V blocks travel round the devices (ppermute); allgather: K/V gathered whole,
+    # dK/dV reduce-scattered (cheap with GQA); ulysses: all-to-all to head-sharded, full rows
+    # per head group (heads must split over the sequence axis); usp: Ulysses inside groups of
+    # attention.ulysses neighbouring devices (a node) and a ring across the groups; dense: the
+    # single-device reference.
+    a.impl = "ring"  # ring | allgather | ulysses | usp | dense
+    a.ulysses = 2  # usp: Ulysses degree U (divides mesh.sequence and both head counts per tensor shard)
     a.layout = "striped"  # contiguous (ring baseline) | striped (the paper) | zigzag; drives data too
     a.stripe = 1  # striped layout: consecutive tokens per stripe (1 is the paper)
     a.block_q = 512  # query tile length inside each device's chunk (must divide it)

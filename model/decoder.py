@@ -118,4 +118,4 @@ def backend_from_config(config, mesh=None) -> AttentionBackend:
     block_q, block_kv = kernels.tiles(kernel, a, config.model.num_heads // config.model.num_kv_heads)
     return AttentionBackend(impl=a.impl, layout=a.layout, kernel=kernel, stripe=a.stripe,
                             block_q=block_q, block_kv=block_kv, mesh=mesh,
-                            document_mask=bool(a.document_mask))
+                            document_mask=bool(a.document_mask), ulysses=int(a.get("ulysses", 1)))

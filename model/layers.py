@@ -47,7 +47,7 @@ def rope(x_BLHD, positions_BL, theta: float):
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     """Which attention kernel runs and over which mesh; static (hashable) model metadata."""
-    impl: str = "dense"  # dense | ring
+    impl: str = "dense"  # dense | ring | allgather | ulysses | usp
     layout: str = "contiguous"
     kernel: str = "xla"  # resolved per-round kernel: xla | pallas_gpu | pallas_tpu
     stripe: int = 1
@@ -55,6 +55,7 @@ class AttentionBackend:
     block_kv: int = 512
     mesh: Mesh | None = None
     document_mask: bool = True  # False: segment ids are ignored (causal over the whole row)
+    ulysses: int = 1  # usp: devices per all-to-all group (the ring spans sequence / ulysses)
 
     def natural_index(self, seq_len: int):
         """True token index of each slot in layout order: the attention mask's positions."""
@@ -65,13 +66,14 @@ class AttentionBackend:
     def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL):
         if not self.document_mask:
             segment_ids_BL = None
-        if self.impl == "ring" or self._fused_dense():
+        if self.impl != "dense" or self._fused_dense():
             from parallel.attention import context_parallel_attention
             return context_parallel_attention(
                 q_BLHD, k_BLKD, v_BLKD, mesh=self.mesh or _single_device_mesh(),
                 layout=self.layout, positions=None, segment_ids=segment_ids_BL,
                 stripe=self.stripe, block_q=self.block_q, block_kv=self.block_kv,
-                kernel=self.kernel)
+                kernel=self.kernel, impl="ring" if self.impl == "dense" else self.impl,
+                ulysses=self.ulysses)
         from parallel.blockwise import dense_attention
         B, L = q_BLHD.shape[:2]
         index_BL = jnp.broadcast_to(self.natural_index(L), (B, L))

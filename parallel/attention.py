@@ -1,14 +1,20 @@
-"""Context-parallel (ring) attention over the mesh's sequence axis, for every token layout.
+"""Context-parallel attention over the mesh's sequence axis, for every token layout.
 
-Each device keeps its chunk of queries; the K/V blocks, with the true positions and segment
-ids of their tokens, travel round the ring with ``ppermute``. In round ``r`` device ``d`` folds
-the block that started on device ``d - r`` into fp32 online-softmax accumulators (see
-``parallel/blockwise.py``); the next block's transfer is issued before the current block's
-compute so XLA can overlap them, and the last round sends nothing. The layout only changes
-which positions each chunk holds, so one kernel serves contiguous, striped and zigzag.
+``impl`` picks how the sequence is split over devices; all of them are exact, read the same
+true positions and segment ids, and call the same per-round kernel (``parallel/rounds.py``):
 
-Backward (custom VJP): dQ accumulates locally; each block's dK/dV accumulator travels with
-it (one hop behind the K/V prefetch) and arrives home after N hops. Only the Hkv heads travel.
+- ``ring`` (here): each device keeps its chunk of queries; the K/V blocks, with the true
+  positions and segment ids of their tokens, travel round the ring with ``ppermute``. In round
+  ``r`` device ``d`` folds the block that started on device ``d - r`` into fp32 online-softmax
+  accumulators; the next block's transfer is issued before the current block's compute so XLA
+  can overlap them, and the last round sends nothing. Backward (custom VJP): dQ accumulates
+  locally; each block's dK/dV accumulator travels with it and arrives home after N hops.
+- ``allgather`` (``parallel/allgather.py``): K/V gathered whole, dK/dV reduce-scattered.
+- ``ulysses`` / ``usp`` (``parallel/ulysses.py``): all-to-all from sequence- to head-sharded,
+  then full-length attention per head group; ``usp`` runs a ring across U-device groups.
+
+The layout only changes which positions each chunk holds, so one kernel serves contiguous,
+striped and zigzag. Only the Hkv heads travel (GQA: K/V are never repeated).
 """
 from __future__ import annotations
 
@@ -22,8 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from parallel import blockwise as bw
-from parallel import kernels
-from parallel.kernels import fused
+from parallel import kernels, rounds
 from parallel.kernels.spec import RoundSpec
 from parallel.layouts import check as check_layout
 from parallel.layouts import permutation
@@ -46,6 +51,8 @@ class _Ring:
     scale: float
     kernel: str = "xla"  # resolved: xla | pallas_gpu | pallas_tpu
     interpret: bool = False  # Pallas interpret mode
+    impl: str = "ring"  # ring | allgather | ulysses | usp
+    ulysses: int = 1  # devices per all-to-all group (neighbours on the axis); N for ulysses
 
     def round_spec(self, q_heads, kv_heads, head_dim, has_seg) -> RoundSpec:
         return RoundSpec(self.kernel, self.block_q, self.block_kv, q_heads // kv_heads, kv_heads,
@@ -54,6 +61,14 @@ class _Ring:
     @property
     def size(self):
         return self.mesh.shape[self.axis]
+
+    @property
+    def groups(self):
+        """All-to-all groups along the axis: U neighbouring devices each (None: the whole axis)."""
+        u = self.ulysses
+        if u == self.size:
+            return None
+        return [list(range(g, g + u)) for g in range(0, self.size, u)]
 
     def spec(self, *names):
         """PartitionSpec from per-dim roles: 'b' batch, 's' sequence, 'h' heads, None."""
@@ -103,10 +118,13 @@ def _mesh_axes(mesh, axis, batch, heads_q, heads_kv):
     return batch_axes, head_axis
 
 
+IMPLS = ("ring", "allgather", "ulysses", "usp")
+
+
 def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment_ids=None,
                                axis="sequence", causal=True, stripe=1, block_q=None, block_kv=None,
-                               kernel="auto"):
-    """Exact attention with L split over ``mesh[axis]`` as a ring, in any token layout.
+                               kernel="auto", impl="ring", ulysses=None):
+    """Exact attention with L split over ``mesh[axis]``, in any token layout.
 
     q ``[B, L, Hq, D]``, k/v ``[B, L, Hkv, D]`` in layout order along L; ``positions [B, L]``
     int32 are the true (natural) token indices used by the mask (derived from
@@ -116,7 +134,11 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     its tensor axis when they exist with size > 1. ``block_q``/``block_kv`` are the tile
     sizes inside each device's chunk (clamped to the chunk when larger; None: the kernel's
     default). ``kernel``: ``auto | xla | pallas_gpu | pallas_tpu`` (``parallel/kernels``).
+    ``impl``: ``ring | allgather | ulysses | usp``; ``ulysses`` is usp's all-to-all degree U
+    (it must divide the axis size and the local query and kv head counts; ulysses uses U = N).
     """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown context-parallel impl {impl!r}; valid: {', '.join(IMPLS)}")
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [B, L, Hq, D] and k, v [B, L, Hkv, D]; got q {q.shape}, "
                          f"k {k.shape}, v {v.shape}")
@@ -128,6 +150,12 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     batch_axes, head_axis = _mesh_axes(mesh, axis, b, hq, hkv)
     n = mesh.shape[axis]
     check_layout(layout, length, n, stripe)
+    u = 1
+    if impl in ("ulysses", "usp"):
+        from parallel.ulysses import check_heads
+        nt = mesh.shape[head_axis] if head_axis else 1
+        u = n if impl == "ulysses" else ulysses
+        check_heads(impl, hq // nt, hkv // nt, n, u)
     chunk = length // n
     platform = kernels.platform_of(mesh)
     kernel = kernels.resolve(kernel, platform)
@@ -135,7 +163,7 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     ring = _Ring(mesh, axis, batch_axes, head_axis, bool(causal),
                  tile_size("block_q", block_q or default_q, chunk, length, n),
                  tile_size("block_kv", block_kv or default_kv, chunk, length, n),
-                 1.0 / math.sqrt(d), kernel, kernels.interpret(kernel, platform))
+                 1.0 / math.sqrt(d), kernel, kernels.interpret(kernel, platform), impl, u)
     if positions is None:
         positions = jnp.broadcast_to(jnp.asarray(permutation(layout, length, n, stripe)), (b, length))
     elif positions.shape != (b, length):
@@ -184,14 +212,17 @@ _ring_attention = jax.custom_vjp(_cp_primal, nondiff_argnums=(5,))
 _ring_attention.defvjp(_cp_fwd_rule, _cp_bwd_rule)
 
 
-# ----------------------------------------------------------------------------- per-device ring
+# ----------------------------------------------------------------------------- programs
 
 
-def _shift(tree, ring):
-    """One hop round the ring: device d sends to d + 1."""
-    n = ring.size
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, ring.axis, perm), tree)
+def _strategy(ring):
+    if ring.impl == "ring":
+        return _RingStrategy
+    if ring.impl == "allgather":
+        from parallel import allgather
+        return allgather
+    from parallel import ulysses
+    return ulysses
 
 
 def _forward(q, k, v, positions, segment_ids, ring: _Ring):
@@ -214,34 +245,15 @@ def _bwd_specs(ring, has_seg):
     return _fwd_specs(ring, has_seg) + (qspec, ring.spec("b", "h", "s", None), qspec)
 
 
-# One jitted program per ring configuration, reused across calls: eager callers (and layouts
-# that differ only in the runtime positions) then share one compilation.
+# One jitted program per configuration, reused across calls: eager callers (and layouts that
+# differ only in the runtime positions) then share one compilation. Every strategy maps the
+# same sequence-sharded inputs to the same outputs; the logsumexp residual is in whatever
+# per-device layout the strategy's backward reads.
 @functools.lru_cache(maxsize=None)
 def _forward_program(ring: _Ring, has_seg: bool):
-    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
-        hkv = k_BCKD.shape[2]  # local count: heads may be split over the tensor axis
-        kv = bw.KV(bw.to_kv_major(k_BCKD), bw.to_kv_major(v_BCKD), pos_BC, seg_BC)
-        q_s = bw.to_q_major(q_BCHD.astype(jnp.float32) * ring.scale, hkv)
-        acc = bw.init_acc(q_s)
-        if ring.kernel == "xla":
-            attend = lambda kv, acc: bw.attend_block(q_s, kv, pos_BC, seg_BC, acc, block_q=ring.block_q,
-                                                     block_kv=ring.block_kv, causal=ring.causal)
-        else:
-            spec = ring.round_spec(q_BCHD.shape[2], hkv, q_BCHD.shape[3], has_seg)
-            query = fused.prepare(q_BCHD, pos_BC, seg_BC, spec)
-            attend = lambda kv, acc: fused.attend(spec, query, kv, acc)
-
-        def round_(_, carry):
-            kv, acc = carry
-            kv_next = _shift(kv, ring)  # issued first: independent of this round's compute
-            return kv_next, attend(kv, acc)
-
-        kv, acc = lax.fori_loop(0, ring.size - 1, round_, (kv, acc))
-        out, lse = bw.finalize(attend(kv, acc))  # last round: nothing left to send
-        return bw.from_q_major(out).astype(q_BCHD.dtype), lse
-
     qspec = ring.spec("b", "s", "h", None)
-    return jax.jit(jax.shard_map(local, mesh=ring.mesh, in_specs=_fwd_specs(ring, has_seg),
+    return jax.jit(jax.shard_map(_strategy(ring).forward_local(ring), mesh=ring.mesh,
+                                 in_specs=_fwd_specs(ring, has_seg),
                                  out_specs=(qspec, ring.spec("b", "h", "s", None)),
                                  check_vma=ring.kernel == "xla"))
 
@@ -255,55 +267,34 @@ def _backward(q, k, v, positions, segment_ids, out, lse, dout, ring: _Ring):
 
 @functools.lru_cache(maxsize=None)
 def _backward_program(ring: _Ring, has_seg: bool):
-    n = ring.size
-
-    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKCG, dout_BCHD):
-        hkv = k_BCKD.shape[2]
-        do = bw.to_q_major(dout_BCHD.astype(jnp.float32), hkv)
-        delta = jnp.sum(do * bw.to_q_major(out_BCHD.astype(jnp.float32), hkv), axis=-1)
-        kv = bw.KV(bw.to_kv_major(k_BCKD), bw.to_kv_major(v_BCKD), pos_BC, seg_BC)
-        if ring.kernel == "xla":
-            q_s = bw.to_q_major(q_BCHD.astype(jnp.float32) * ring.scale, hkv)
-
-            def grads(kv, dq):
-                return bw.attend_block_bwd(q_s, kv, pos_BC, seg_BC, do, lse_BKCG, delta, dq,
-                                           block_q=ring.block_q, block_kv=ring.block_kv,
-                                           causal=ring.causal)
-        else:
-            spec = ring.round_spec(q_BCHD.shape[2], hkv, q_BCHD.shape[3], has_seg)
-            query = fused.prepare(q_BCHD, pos_BC, seg_BC, spec)
-            do_f = fused.fold_rows(bw.to_q_major(dout_BCHD, hkv))
-            lse_f, delta_f = fused.fold_rows(lse_BKCG), fused.fold_rows(delta)
-
-            def grads(kv, dq):
-                return fused.grads(spec, query, kv, do_f, lse_f, delta_f, dq)
-
-        # zeros_like: varies over the same mesh axes as q
-        dq = jnp.zeros_like(bw.to_q_major(q_BCHD, hkv), dtype=jnp.float32)
-        if n == 1:
-            dq, dk, dv = grads(kv, dq)
-        else:
-            kv_next = _shift(kv, ring)
-            dq, dk, dv = grads(kv, dq)
-
-            def round_(kv_next, dq, dkv, prefetch):
-                # dK/dV of the block computed last round move on while this round computes
-                # fresh contributions for the block that just arrived; they meet afterwards.
-                dkv_in = _shift(dkv, ring)
-                kv = kv_next
-                kv_next = _shift(kv, ring) if prefetch else None
-                dq, dk, dv = grads(kv, dq)
-                return kv_next, dq, (dkv_in[0] + dk, dkv_in[1] + dv)
-
-            def loop_body(_, carry):
-                return round_(*carry, prefetch=True)
-
-            kv_next, dq, dkv = lax.fori_loop(1, n - 1, loop_body, (kv_next, dq, (dk, dv)))
-            _, dq, dkv = round_(kv_next, dq, dkv, prefetch=False)
-            dk, dv = _shift(dkv, ring)  # the final hop brings each block's gradient home
-        dq = bw.from_q_major(dq * ring.scale).astype(q_BCHD.dtype)
-        return dq, bw.from_kv_major(dk).astype(k_BCKD.dtype), bw.from_kv_major(dv).astype(v_BCKD.dtype)
-
     qspec = ring.spec("b", "s", "h", None)
-    return jax.jit(jax.shard_map(local, mesh=ring.mesh, in_specs=_bwd_specs(ring, has_seg),
+    return jax.jit(jax.shard_map(_strategy(ring).backward_local(ring), mesh=ring.mesh,
+                                 in_specs=_bwd_specs(ring, has_seg),
                                  out_specs=(qspec, qspec, qspec), check_vma=ring.kernel == "xla"))
+
+
+class _RingStrategy:
+    """The ring: each device keeps its queries; K/V blocks travel, one hop a round."""
+
+    @staticmethod
+    def forward_local(ring):
+        def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
+            hkv = k_BCKD.shape[2]  # local count: heads may be split over the tensor axis
+            fwd = rounds.Forward(ring, q_BCHD, pos_BC, seg_BC, hkv, q_BCHD.shape[1])
+            acc = rounds.ring_forward(rounds.kv_block(k_BCKD, v_BCKD, pos_BC, seg_BC), fwd.init(),
+                                      fwd.attend, ring.size, lambda t: rounds.shift(t, ring))
+            return fwd.finish(acc)
+        return local
+
+    @staticmethod
+    def backward_local(ring):
+        def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKCG, dout_BCHD):
+            hkv = k_BCKD.shape[2]
+            bwd = rounds.Backward(ring, q_BCHD, pos_BC, seg_BC, hkv, q_BCHD.shape[1], lse_BKCG,
+                                  dout_BCHD, out_BSHD=out_BCHD)
+            dq, dk, dv = rounds.ring_backward(rounds.kv_block(k_BCKD, v_BCKD, pos_BC, seg_BC),
+                                              bwd.zeros_dq(), bwd.grads, ring.size,
+                                              lambda t: rounds.shift(t, ring))
+            return (bwd.finish(dq), bw.from_kv_major(dk).astype(k_BCKD.dtype),
+                    bw.from_kv_major(dv).astype(v_BCKD.dtype))
+        return local

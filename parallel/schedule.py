@@ -34,6 +34,17 @@ class Work:
         """Sum over rounds of the busiest device's tiles: the ring's time in tile units."""
         return int(self.tiles.max(axis=1).sum())
 
+    def strategy_critical_path(self, impl: str = "ring", ulysses: int = 1) -> float:
+        """Attention time in tile units of a context-parallel strategy (``parallel/attention.py``)
+        from the same tile pairs: what waits for what differs, the pairs computed do not.
+
+        ring: the sum over rounds of the busiest device. allgather: nothing waits between
+        chunks, so the busiest device's total. ulysses: every device computes all chunk pairs
+        on 1/N of the heads, the total / N. usp (U-device groups, a ring of N/U across them):
+        per ring round, the busiest group's U x U chunk pairs / U.
+        """
+        return float(strategy_rounds(self.tiles, impl, ulysses).sum())
+
     @property
     def total(self) -> int:
         return int(self.tiles.sum())
@@ -71,6 +82,28 @@ def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1
     tiles = (case != SKIP).sum(axis=(-2, -1))
     masked = (case == MASKED).sum(axis=(-2, -1))
     return Work(layout, seq_len, n, block, stripe, tiles, masked)
+
+
+def strategy_rounds(tiles: np.ndarray, impl: str = "ring", ulysses: int = 1) -> np.ndarray:
+    """Per synchronised round of a strategy, the busiest device's tiles (fractional where a
+    device computes chunk pairs on 1/U of the heads), from the ring's ``tiles [rounds, devices]``
+    (round ``r``, device ``d``: its queries against chunk ``d - r``). ring: N rounds;
+    allgather: one (nothing waits between chunks); usp: N/U ring rounds of U x U chunk pairs
+    per group split over its U devices by heads; ulysses: usp with U = N, one round."""
+    n = tiles.shape[1]
+    if impl == "ring":
+        return tiles.max(axis=1).astype(float)
+    if impl == "allgather":
+        return np.array([tiles.sum(axis=0).max()], float)
+    u = n if impl == "ulysses" else ulysses
+    if u < 1 or n % u:
+        raise ValueError(f"ulysses degree {u} does not divide {n} shards")
+    a = np.arange(n)
+    pair = tiles[(a[:, None] - a[None, :]) % n, a[:, None]]  # [q chunk, kv chunk]
+    r = n // u
+    groups = pair.reshape(r, u, r, u).sum(axis=(1, 3)) / u  # [q group, kv group]
+    g = np.arange(r)
+    return groups[g[None, :], (g[None, :] - g[:, None]) % r].max(axis=1)  # [round]
 
 
 def _segment_ranges(segment_ids, perm, src, n, block):

@@ -16,6 +16,7 @@ from parallel.layouts import LAYOUTS  # numpy only
 from planning.hardware import HARDWARE
 
 AXES = ("data", "fsdp", "sequence", "tensor")  # parallel.mesh.AXES; that module imports jax
+STRATEGIES = ("ring", "allgather", "ulysses", "usp")  # parallel.attention.IMPLS (imports jax)
 
 
 class UsageError(ValueError):
@@ -43,6 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--remat", default=None,
                    help="none | attention | full | offload, a comma list, or all (default: "
                         "the config's model.remat)")
+    p.add_argument("--impls", default="ring,allgather,ulysses,usp",
+                   help="context-parallel strategies to project beside each other (usp at every "
+                        "Ulysses degree that divides the sequence axis and the heads); the "
+                        "compiled program is the config's attention.impl")
     p.add_argument("--json", default="", help="also write the plan here as JSON")
     p.add_argument("--no-compile", action="store_true",
                    help="skip compiling: sizes, FLOPs and step time only (no memory)")
@@ -109,6 +114,9 @@ def run(argv=None) -> tuple[int, dict | None]:
         bad = [x for x in layouts if x not in LAYOUTS]
         if bad or not layouts:
             raise UsageError(f"--layouts {args.layouts!r}: use a comma list of {', '.join(LAYOUTS)}")
+        impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+        if not impls or [x for x in impls if x not in STRATEGIES]:
+            raise UsageError(f"--impls {args.impls!r}: use a comma list of {', '.join(STRATEGIES)}")
         if args.seq_len < 1 or args.batch < 1:
             raise UsageError("--seq-len and --batch must be >= 1")
         if "jax" not in sys.modules:
@@ -123,7 +131,7 @@ def run(argv=None) -> tuple[int, dict | None]:
     from training.entry import user_errors
     try:
         plan = make_plan(config, mesh, args.seq_len, args.batch, args.hardware, layouts,
-                         args.remat, compile_program=not args.no_compile)
+                         args.remat, compile_program=not args.no_compile, impls=impls)
     except (PlanError, *user_errors()) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2, None

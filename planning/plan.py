@@ -47,12 +47,13 @@ def validate(config, mesh_sizes: dict, layouts) -> None:
 
 def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, hardware: str,
               layouts=("contiguous", "striped", "zigzag"), remat: str | None = None,
-              compile_program: bool = True, devices=None) -> dict:
+              compile_program: bool = True, devices=None, impls=None) -> dict:
     """The plan of ``config`` at ``seq_len`` with ``rows_per_replica`` sequences per
     data x fsdp group on ``mesh_sizes``, projected onto ``hardware``.
 
     Compiles one program per remat policy asked for (offload is estimated from the attention
-    and full programs: XLA CPU has no host-offload passes)."""
+    and full programs: XLA CPU has no host-offload passes). ``impls``: context-parallel
+    strategies to project side by side (``plan["strategies"]``, ``plan["fastest"]``)."""
     import jax
 
     from model.flops import attention_flops_per_token, flops_per_token, matmul_params, param_count
@@ -161,6 +162,16 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
             plan["ring_crosses_nodes"] = proj["ring_crosses_nodes"]
             plan["ring_bandwidth_bytes_s"] = proj["ring_bandwidth_bytes_s"]
     plan["step_time_by_remat"] = step_by_remat
+    if impls:
+        strat = step_time.project_strategies(base, mesh_sizes, global_rows, hw, layouts, primary, impls,
+                                             colls_by_remat.get(primary), dtype_bytes)
+        if "memory" in plan:  # the compiled program is the config's impl: swap its buffers
+            s = step_time.shape_of(base, mesh_sizes, global_rows, dtype_bytes)
+            own = step_time.attention_buffers(base.attention.impl, s, base.attention.ulysses)
+            for p in strat["strategies"].values():
+                p["memory_bytes_est"] = plan["memory_per_device_bytes"] - own + p["attention_buffers_bytes"]
+                p["fits_est"] = p["memory_bytes_est"] <= hw.memory_bytes * hwlib.USABLE_FRACTION
+        plan.update(strat)
     plan["_programs"] = programs  # not serialised: lets callers run what was compiled
     return plan
 

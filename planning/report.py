@@ -113,6 +113,25 @@ def markdown(plan: dict) -> str:
                   "|---|" + "---|" * len(lays)]
         for r, by in plan["step_time_by_remat"].items():
             lines.append(f"| {r} | " + " | ".join(_seconds(by[x]) for x in lays) + " |")
+    if plan.get("strategies"):
+        mem = "memory (est.) | fits | " if "memory" in plan else ""
+        lines += ["", f"### Context-parallel strategies (attention.impl; remat {plan['remat']})", "",
+                  f"| strategy | layout | attention | of which collectives not hidden | links | "
+                  f"K/V buffers per layer | {mem}step time | tokens/s | MFU bound |",
+                  "|---|---|---|---|---|---|" + "---|" * (5 if mem else 3)]
+        for name, p in sorted(plan["strategies"].items(), key=lambda kv: kv[1]["projected_step_s"]):
+            name = name[:-len(p["layout"])].strip()
+            m = (f"{_gib(p['memory_bytes_est'])} | {'yes' if p['fits_est'] else 'NO'} | "
+                 if "memory_bytes_est" in p else "")
+            lines.append(f"| {name}{' **fastest**' if name + ' ' + p['layout'] == plan['fastest'] else ''} "
+                         f"| {p['layout']} | {_seconds(p['attention_s'])} | {_seconds(p['collective_s'])} | "
+                         f"{p['links']} | {_gib(p['attention_buffers_bytes'])} | {m}"
+                         f"{_seconds(p['projected_step_s'])} | {_si(p['tokens_per_s'])} | "
+                         f"{p['mfu_bound']:.1%} |")
+        lines += ["", f"Fastest: {plan['fastest']}." + (
+            f" Not possible here: {', '.join(plan['invalid'])} (heads do not split that way)."
+            if plan["invalid"] else "") + (" Memory (est.) is the compiled step's total with the "
+            "config's attention buffers swapped for the strategy's." if mem else "")]
     for note in plan.get("notes", []):
         lines += ["", f"Note: {note}."]
     return "\n".join(lines) + "\n"

@@ -11,6 +11,20 @@ hardware's peak bf16 FLOP/s and links at their peak bandwidth. Two phases per st
 - everything else (projections, MLP, head, optimizer): matmul FLOPs split over all devices,
   overlapped with the non-ring collectives of the compiled step (FSDP gathers, gradient
   reductions), so the longer of the two counts.
+
+Other context-parallel strategies (``attention.impl``, :func:`strategy_layer_time`), with the
+same tile pairs (``parallel.schedule.strategy_rounds``) and the same links:
+
+- allgather: gather K/V (N-1 chunks in), compute every chunk without waiting, and in the
+  backward gather again and reduce-scatter fp32 dK/dV; the collectives are data dependencies
+  of the compute, so they add to it.
+- ulysses: all-to-alls of q, k, v in and the output back ((U-1)/U of each device's data; the
+  backward moves q, k, v, dout in and dq, dk, dv back), then perfectly balanced compute on 1/U
+  of the heads; the all-to-alls add to the compute.
+- usp: the Ulysses all-to-alls inside groups of U neighbouring devices, then a ring of N/U
+  rounds across the groups: each round sends a K/V block as big as the ring's (U chunks of
+  Hkv/U heads) while it computes U x U chunk pairs on 1/U of the heads, U times the ring's
+  compute per transfer.
 """
 from __future__ import annotations
 
@@ -78,11 +92,23 @@ def tiles_per_round(layout: str, seq_len: int, ring: int, block_q: int, block_kv
 
 def ring_layer_time(tiles: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, remat: str) -> dict:
     """Seconds of one layer's ring attention (forward, recomputed forward, backward)."""
-    pair = s.block_q * s.block_kv * s.head_dim * s.q_heads * s.rows
-    busiest = tiles.max(axis=1).astype(float)  # [rounds]
+    return _rounds_time(tiles.max(axis=1).astype(float), s, hw, ring_bw, remat)
+
+
+def _kv_bytes(s: Shape, u: int = 1) -> tuple[float, float]:
+    """Bytes of the K/V block that travels (input dtype, with positions / segment ids of U
+    chunks) and of its fp32 dK/dV, per device: U chunks of Hkv/U heads is one chunk's worth."""
     kv = 2 * s.rows * s.chunk * s.kv_heads * s.head_dim * s.dtype_bytes
-    kv += (2 if s.has_segments else 1) * s.rows * s.chunk * 4  # positions (+ segment ids)
+    kv += (2 if s.has_segments else 1) * s.rows * s.chunk * u * 4  # positions (+ segment ids)
     dkv = 2 * s.rows * s.chunk * s.kv_heads * s.head_dim * 4
+    return kv, dkv
+
+
+def _rounds_time(busiest: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, remat: str,
+                 u: int = 1) -> dict:
+    """Ring rounds with the busiest device's tiles ``busiest [rounds]`` (whole-head tile pairs)."""
+    pair = s.block_q * s.block_kv * s.head_dim * s.q_heads * s.rows
+    kv, dkv = _kv_bytes(s, u)
     last = np.arange(len(busiest)) == len(busiest) - 1
     send_fwd = np.where(last, 0.0, kv) / ring_bw  # the last round sends nothing
     fwd_compute = busiest * FWD_PAIR_FLOPS * pair / hw.peak_flops
@@ -95,6 +121,7 @@ def ring_layer_time(tiles: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, r
     passes = 2 if remat in RECOMPUTES_ATTENTION else 1
     return {"forward_s": float(fwd), "backward_s": float(bwd), "forward_passes": passes,
             "total_s": float(passes * fwd + bwd),
+            "exposed_send_s": float(passes * fwd + bwd - passes * fwd_compute.sum() - bwd_compute.sum()),
             "round_compute_s": float(fwd_compute.max()), "round_send_s": float(send_fwd.max()),
             "compute_bound_rounds": int((fwd_compute >= send_fwd).sum())}
 
@@ -110,6 +137,94 @@ def recomputed_matmul_params(config, remat: str) -> int:
     return head + (m.num_layers * 3 * m.d_model * m.ffn_dim if m.get("mlp_chunk", 0) else 0)
 
 
+def _a2a_bytes(s: Shape, u: int) -> tuple[float, float]:
+    """Bytes one device moves through all-to-alls in one layer's forward and backward."""
+    share = (u - 1) / u
+    tok = s.rows * s.chunk * s.head_dim * s.dtype_bytes
+    fwd = share * tok * (s.q_heads + 2 * s.kv_heads + s.q_heads)  # q, k, v in; out back
+    delta = s.rows * s.chunk * s.q_heads * 4
+    bwd = share * (tok * 2 * (s.q_heads + 2 * s.kv_heads) + delta)  # q, k, v, dout in; dq, dk, dv back
+    return fwd, bwd
+
+
+def strategy_layer_time(impl: str, tiles: np.ndarray, s: Shape, hw: Hardware, remat: str,
+                        mesh_sizes: dict, ulysses: int = 1) -> dict:
+    """Seconds of one layer's attention with ``impl`` (ring | allgather | ulysses | usp),
+    from the ring's ``tiles [rounds, devices]``. Adds the collective time and the links used."""
+    from parallel.schedule import strategy_rounds
+    n = s.ring
+    u = n if impl == "ulysses" else (ulysses if impl == "usp" else 1)
+    busiest = strategy_rounds(tiles, impl, u)
+    pair = s.block_q * s.block_kv * s.head_dim * s.q_heads * s.rows
+    passes = 2 if remat in RECOMPUTES_ATTENTION else 1
+    seq_bw = link_bandwidth(hw, axis_crosses_nodes(mesh_sizes, "sequence", hw))
+    if impl == "allgather":
+        kv, dkv = _kv_bytes(s)
+        fwd_comm = (n - 1) * kv / seq_bw
+        bwd_comm = (n - 1) * (kv + dkv) / seq_bw
+        fwd = busiest.sum() * FWD_PAIR_FLOPS * pair / hw.peak_flops + fwd_comm
+        bwd = busiest.sum() * BWD_PAIR_FLOPS * pair / hw.peak_flops + bwd_comm
+        return {"forward_s": float(fwd), "backward_s": float(bwd), "forward_passes": passes,
+                "total_s": float(passes * fwd + bwd), "collective_s": float(passes * fwd_comm + bwd_comm),
+                "links": "sequence axis, " + _link_name(seq_bw, hw), "crosses_nodes": seq_bw != hw.link_bytes_s}
+    if impl == "ring":
+        rounds = _rounds_time(busiest, s, hw, seq_bw, remat)
+        return {**rounds, "collective_s": rounds["exposed_send_s"], "links": "ring " + _link_name(seq_bw, hw),
+                "crosses_nodes": seq_bw != hw.link_bytes_s}
+    a2a_cross = groups_cross_nodes(mesh_sizes, "sequence", u, hw)
+    a2a_bw = link_bandwidth(hw, a2a_cross)
+    f_bytes, b_bytes = _a2a_bytes(s, u)
+    a2a_f, a2a_b = f_bytes / a2a_bw, b_bytes / a2a_bw
+    ring_cross = n // u > 1 and axis_crosses_nodes(mesh_sizes, "sequence", hw)
+    ring_bw = link_bandwidth(hw, ring_cross)
+    rounds = _rounds_time(busiest, s, hw, ring_bw, remat, u)
+    fwd, bwd = rounds["forward_s"] + a2a_f, rounds["backward_s"] + a2a_b
+    links = f"all-to-all {_link_name(a2a_bw, hw)}"
+    if n // u > 1:
+        links += f", ring {_link_name(ring_bw, hw)}"
+    return {**rounds, "forward_s": float(fwd), "backward_s": float(bwd),
+            "total_s": float(passes * fwd + bwd),
+            "collective_s": float(passes * a2a_f + a2a_b + rounds["exposed_send_s"]),
+            "links": links, "crosses_nodes": bool(a2a_cross or ring_cross)}
+
+
+def _link_name(bw: float, hw: Hardware) -> str:
+    return f"{bw / 1e9:.0f} GB/s"
+
+
+def groups_cross_nodes(mesh_sizes: dict, axis: str, group: int, hw: Hardware) -> bool:
+    """Whether groups of ``group`` neighbouring devices along ``axis`` span nodes (the mesh
+    laid out row-major over (data, fsdp, sequence, tensor), ``node_size`` consecutive devices
+    a node)."""
+    if not hw.node_size or group <= 1:
+        return False
+    order = ("data", "fsdp", "sequence", "tensor")
+    ids = np.arange(int(np.prod([mesh_sizes[a] for a in order]))).reshape(
+        [mesh_sizes[a] for a in order])
+    along = np.moveaxis(ids, order.index(axis), -1)
+    groups = along.reshape(*along.shape[:-1], -1, group).reshape(-1, group) // hw.node_size
+    return bool((groups.min(axis=1) != groups.max(axis=1)).any())
+
+
+def attention_buffers(impl: str, s: Shape, ulysses: int = 1) -> float:
+    """Bytes of one layer's attention working set per device that a strategy adds beyond its
+    inputs: the K/V it holds at once (and their fp32 gradients in the backward)."""
+    kv, dkv = _kv_bytes(s, ulysses if impl == "usp" else (s.ring if impl == "ulysses" else 1))
+    if impl == "allgather":
+        return s.ring * (kv + dkv)  # every chunk's K/V, then every chunk's dK/dV
+    if impl == "ulysses":
+        return kv + dkv  # the whole row's K/V on Hkv/N heads: one chunk's worth
+    return 2 * (kv + dkv)  # the block computed on and the one in flight
+
+
+def valid_ulysses(config, mesh_sizes: dict) -> list[int]:
+    """Ulysses degrees U that divide the sequence axis and both local head counts."""
+    import math
+    m, t, n = config.model, mesh_sizes["tensor"], mesh_sizes["sequence"]
+    g = math.gcd(m.num_heads // t, m.num_kv_heads // t)
+    return [u for u in range(1, n + 1) if n % u == 0 and g % u == 0]
+
+
 def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: str,
                colls: list | None, mesh_sizes: dict) -> dict:
     """Seconds of everything but attention: matmuls vs the non-ring collectives."""
@@ -120,8 +235,8 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
     comm, source = 0.0, "compiled HLO"
     if colls is not None:
         for c in colls:
-            if c.kind == "collective-permute":
-                continue  # the ring's, modelled per round above
+            if c.kind in ("collective-permute", "all-to-all"):
+                continue  # the ring's and Ulysses' (only attention uses them), modelled above
             bw = link_bandwidth(hw, coll.crosses_nodes(c, hw.node_size))
             comm += c.count * coll.link_traffic(c) / bw
     else:
@@ -180,3 +295,47 @@ def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, r
         }
     return {"layouts": out, "dense": dense, "ring_crosses_nodes": crosses,
             "ring_bandwidth_bytes_s": ring_bw, "model_flops_per_step": model_flops}
+
+
+def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, remat: str,
+                       impls=("ring", "allgather", "ulysses", "usp"), colls: list | None = None,
+                       dtype_bytes: int = 2) -> dict:
+    """Per (strategy, layout): projected step, MFU bound, attention and collective seconds,
+    links and attention buffers; usp at every valid Ulysses degree 1 < U < N. ``fastest``
+    names the best. Strategies whose heads do not split are listed under ``invalid``."""
+    m = config.model
+    num_devices = int(np.prod([mesh_sizes[a] for a in ("data", "fsdp", "sequence", "tensor")]))
+    s = shape_of(config, mesh_sizes, global_rows, dtype_bytes)
+    dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes)
+    tokens = global_rows * config.data.seq_len
+    model_flops = flops_per_token(m, config.data.seq_len) * tokens
+    degrees = valid_ulysses(config, mesh_sizes)
+    candidates, invalid = [], []
+    for impl in impls:
+        if impl == "ulysses":
+            (candidates if s.ring in degrees else invalid).append(("ulysses", s.ring))
+        elif impl == "usp":
+            us = [u for u in degrees if 1 < u < s.ring]
+            candidates += [("usp", u) for u in us]
+            if not us:
+                invalid.append(("usp", 0))
+        else:
+            candidates.append((impl, 1))
+    out = {}
+    for layout in layouts:
+        stripe = config.attention.stripe if layout == "striped" else 1
+        tiles = tiles_per_round(layout, config.data.seq_len, s.ring, s.block_q, s.block_kv, stripe)
+        for impl, u in candidates:
+            name = f"usp(U={u})" if impl == "usp" else impl
+            t = strategy_layer_time(impl, tiles, s, hw, remat, mesh_sizes, u)
+            step = m.num_layers * t["total_s"] + dense["total_s"]
+            out[f"{name} {layout}"] = {
+                "impl": impl, "ulysses": u, "layout": layout, "projected_step_s": step,
+                "tokens_per_s": tokens / step,
+                "mfu_bound": model_flops / (num_devices * hw.peak_flops * step),
+                "attention_s": m.num_layers * t["total_s"],
+                "collective_s": m.num_layers * t["collective_s"], "dense_s": dense["total_s"],
+                "links": t["links"], "attention_buffers_bytes": attention_buffers(impl, s, u)}
+    fastest = min(out, key=lambda k: out[k]["projected_step_s"]) if out else None
+    return {"strategies": out, "fastest": fastest,
+            "invalid": [f"{i}" + (f" (U={u})" if u else "") for i, u in invalid]}

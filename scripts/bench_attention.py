@@ -1,4 +1,5 @@
-"""Benchmark fwd+bwd of context-parallel attention per token layout.
+"""Benchmark fwd+bwd of context-parallel attention per token layout (and per implementation:
+``--impls ring,allgather,ulysses,usp``).
 
 One process per CPU core (the honest comparison on a CPU: a ring round then waits for the
 busiest device, as on a GPU ring):
@@ -36,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=int, default=0,
                    help="with --processes 1: simulated CPU devices (or first N accelerators); 0 = all")
     p.add_argument("--layouts", default="contiguous,striped,zigzag")
+    p.add_argument("--impls", default="ring", help="comma list: ring, allgather, ulysses, usp")
+    p.add_argument("--ulysses", type=int, default=2, help="usp: Ulysses degree")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
@@ -76,7 +79,9 @@ def run(args):
     n = len(devices)
     mesh = jax.make_mesh((n,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     dtype = jnp.dtype(args.dtype)
-    layouts = [x for x in args.layouts.split(",") if x]
+    keys = [(impl, layout) for impl in args.impls.split(",") if impl
+            for layout in args.layouts.split(",") if layout]
+    layouts = [layout if impl == "ring" else f"{impl} {layout}" for impl, layout in keys]
     b, length = args.batch, args.seq_len
     shapes = {"q": (b, length, args.heads, args.head_dim), "k": (b, length, args.kv_heads, args.head_dim)}
     sharding = NamedSharding(mesh, P(None, "sequence"))
@@ -91,10 +96,11 @@ def run(args):
 
     q, k, v, dout = make(shapes["q"], 0), make(shapes["k"], 1), make(shapes["k"], 2), make(shapes["q"], 3)
 
-    def step_fn(layout):
+    def step_fn(impl, layout):
         def loss(q, k, v, dout):
             out = context_parallel_attention(q, k, v, mesh=mesh, layout=layout, stripe=args.stripe,
-                                             block_q=args.block, block_kv=args.block)
+                                             block_q=args.block, block_kv=args.block, impl=impl,
+                                             ulysses=args.ulysses)
             return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
         return jax.jit(loss if args.mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2)))
 
@@ -102,7 +108,7 @@ def run(args):
     # not inflated by another process still finishing its previous call.
     sync = jax.jit(lambda x: jnp.sum(x), out_shardings=NamedSharding(mesh, P()))
     token = make((1, n), 4)
-    fns = {layout: step_fn(layout) for layout in layouts}
+    fns = {label: step_fn(*key) for label, key in zip(layouts, keys)}
     t0 = time.perf_counter()
     for layout in layouts:
         for _ in range(max(args.warmup, 1)):
@@ -126,7 +132,8 @@ def run(args):
         return
     med = {layout: float(np.median(ts)) for layout, ts in times.items()}
     base = med.get("contiguous")
-    rows = [{"layout": layout, "processes": max(args.processes, 1), "devices": n, "seq_len": length,
+    impl_of = dict(zip(layouts, (impl for impl, _ in keys)))
+    rows = [{"layout": layout, "impl": impl_of[layout], "processes": max(args.processes, 1), "devices": n, "seq_len": length,
              "median_s": med[layout], "min_s": float(np.min(times[layout])),
              "speedup_vs_contiguous": (base / med[layout]) if base else None} for layout in layouts]
     platform = devices[0].platform

@@ -1,11 +1,15 @@
-"""Ring (contiguous) vs striped vs zigzag on real training steps: the paper's experiment.
+"""Ring (contiguous) vs striped vs zigzag on real training steps: the paper's experiment; and
+context-parallel implementations against each other (--impls ring,allgather,ulysses,usp).
 
     python scripts/compare_layouts.py --config configs/tiny.py --layouts contiguous,striped,zigzag \
         --seq-lens 8192,16384,32768 --processes 2 --steps 20 --out runs/compare
+    python scripts/compare_layouts.py --impls ring,allgather,ulysses --layouts contiguous,zigzag ...
 
 Same model, same initial weights, same data (the pipeline permutes the same rows per layout);
 compile and warm-up steps excluded; layouts interleaved in rounds so machine drift hits all
-alike. Writes OUT/results.json, OUT/results.md and OUT/throughput.png.
+alike. Every (implementation, layout) pair is one run; speedups are against the ring with the
+contiguous layout (or the first pair when that is not run). Writes OUT/results.json,
+OUT/results.md and OUT/throughput.png.
 Attention is causal over whole packed rows by default, as in the paper; --document-mask on keeps
 it within each packed document, where the work of a step depends on its document boundaries
 (the "tile model" column then shows what that batch's schedule allows each layout to gain).
@@ -31,6 +35,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/tiny.py")
     p.add_argument("--layouts", default="contiguous,striped,zigzag")
+    p.add_argument("--impls", default="ring",
+                   help="comma list of attention.impl values: ring, allgather, ulysses, usp")
+    p.add_argument("--ulysses", type=int, default=2, help="usp: Ulysses degree (attention.ulysses)")
     p.add_argument("--seq-lens", default="8192,16384")
     p.add_argument("--processes", type=int, default=2, help="one process per CPU core (gloo)")
     p.add_argument("--devices", type=int, default=0,
@@ -62,9 +69,10 @@ def tile(chunk: int, block: int) -> int:
     return max(d for d in range(1, min(128, chunk) + 1) if chunk % d == 0)
 
 
-def layout_config(base, layout: str, seq_len: int, devices: int, args):
+def layout_config(base, layout: str, seq_len: int, devices: int, args, impl: str = "ring"):
     c = base.copy_and_resolve_references()
-    c.attention.update(impl="ring", layout=layout, document_mask=args.document_mask == "on")
+    c.attention.update(impl=impl, layout=layout, document_mask=args.document_mask == "on",
+                       ulysses=args.ulysses)
     c.attention.block_q = c.attention.block_kv = tile(seq_len // devices, args.block)
     c.mesh.update(data=1, fsdp=1, sequence=devices, tensor=1)
     # Batches are fetched outside the timed region; a prefetch thread would only steal the
@@ -74,14 +82,16 @@ def layout_config(base, layout: str, seq_len: int, devices: int, args):
     return c
 
 
-def tile_critical_path(run: dict, layout: str, row: int, args, devices: int) -> int:
-    """The step's attention time in tile units (parallel/schedule.py): per ring round, the
-    busiest device's tile pairs, from the batch's own document boundaries when masked."""
+def tile_critical_path(run: dict, layout: str, row: int, args, devices: int, impl: str = "ring"):
+    """The step's attention time in tile units (parallel/schedule.py): for the ring, per round
+    the busiest device's tile pairs (each strategy waits differently: ``strategy_critical_path``),
+    from the batch's own document boundaries when masked."""
     from parallel.schedule import work
     seq_len = run["pipe"].seq_len
     seg = run["pipe"].host_batch(row, natural=True)["segment_ids"] if args.document_mask == "on" \
         else None
-    return work(layout, seq_len, devices, run["block"], segment_ids=seg).critical_path
+    w = work(layout, seq_len, devices, run["block"], segment_ids=seg)
+    return w.critical_path if impl == "ring" else w.strategy_critical_path(impl, args.ulysses)
 
 
 def paired_speedup(ref: list, times: list) -> float:
@@ -105,20 +115,22 @@ def measure(args) -> list[dict]:
     base = load(args.config, args.set)
     devices = jax.device_count()
     layouts = [x for x in args.layouts.split(",") if x]
+    impls = [x for x in args.impls.split(",") if x]
+    keys = [(impl, layout) for impl in impls for layout in layouts]
     rows = []
     for seq_len in [int(x) for x in args.seq_lens.split(",") if x]:
         runs = {}
-        for layout in layouts:
-            c = layout_config(base, layout, seq_len, devices, args)
+        for impl, layout in keys:
+            c = layout_config(base, layout, seq_len, devices, args, impl)
             validate(c, devices)
             mesh = make_mesh(c.mesh)
             pipe, trainer = make_pipeline(c, mesh), Trainer(c, mesh)
-            runs[layout] = {"pipe": pipe, "trainer": trainer, "state": trainer.init(c.train.seed),
-                            "block": c.attention.block_q, "times": [], "losses": [], "tiles": []}
+            runs[impl, layout] = {"pipe": pipe, "trainer": trainer, "state": trainer.init(c.train.seed),
+                                  "block": c.attention.block_q, "times": [], "losses": [], "tiles": []}
         for r in range(args.warmup + args.steps):
-            order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
-            for layout in order:
-                run = runs[layout]
+            order = keys[r % len(keys):] + keys[:r % len(keys)]
+            for impl, layout in order:
+                run = runs[impl, layout]
                 it = run["pipe"].train.state()
                 row = it["epoch"] * it["rows_per_epoch"] + it["row"]  # the batch's first row
                 batch = next(run["pipe"].train)
@@ -127,16 +139,17 @@ def measure(args) -> list[dict]:
                 loss = float(jax.device_get(metrics["loss"]))
                 if r >= args.warmup:
                     run["times"].append(time.perf_counter() - t0)
-                    run["tiles"].append(tile_critical_path(run, layout, row, args, devices))
+                    run["tiles"].append(tile_critical_path(run, layout, row, args, devices, impl))
                 run["losses"].append(loss)
         m = base.model
         share = attention_flops_per_token(m, seq_len) / flops_per_token(m, seq_len)
-        ref = runs["contiguous" if "contiguous" in runs else layouts[0]]
-        for layout in layouts:
-            run = runs[layout]
+        ref = runs[("ring", "contiguous") if ("ring", "contiguous") in runs else keys[0]]
+        for impl, layout in keys:
+            run = runs[impl, layout]
             run["pipe"].close()
             med = statistics.median(run["times"])
-            rows.append({"layout": layout, "seq_len": seq_len, "processes": jax.process_count(),
+            rows.append({"layout": layout, "impl": impl, "seq_len": seq_len,
+                         "processes": jax.process_count(),
                          "devices": devices, "block": run["block"],
                          "median_step_s": med, "tokens_per_s": args.batch * seq_len / med,
                          "speedup_vs_contiguous": paired_speedup(ref["times"], run["times"]),
@@ -144,29 +157,34 @@ def measure(args) -> list[dict]:
                          "tile_critical_paths": run["tiles"], "step_times_s": run["times"],
                          "document_mask": args.document_mask == "on", "attention_flop_share": share,
                          "final_loss": run["losses"][-1], "losses": run["losses"]})
-        losses = np.array([runs[l]["losses"][-1] for l in layouts])
+        losses = np.array([runs[key]["losses"][-1] for key in keys])
         if jax.process_index() == 0:
             print(f"seq_len {seq_len}: medians " + ", ".join(
-                f"{r['layout']} {r['median_step_s']:.3f}s" for r in rows[-len(layouts):])
+                f"{_label(r)} {r['median_step_s']:.3f}s" for r in rows[-len(keys):])
                 + f"; final losses agree to {np.ptp(losses) / np.abs(losses).max():.1e} (relative)",
                 flush=True)
     return rows
 
 
+def _label(r: dict) -> str:
+    return r["layout"] if r.get("impl", "ring") == "ring" else f"{r['impl']} {r['layout']}"
+
+
 def write_report(rows: list[dict], out: pathlib.Path, devices: int):
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    lines = ["| seq_len | layout | median step (s) | tokens/s | speedup vs contiguous | "
-             "tile model | attention FLOP share | final loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| seq_len | layout | impl | median step (s) | tokens/s | speedup vs contiguous | "
+             "tile model | attention FLOP share | final loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['seq_len']} | {r['layout']} | {r['median_step_s']:.3f} | "
+        lines.append(f"| {r['seq_len']} | {r['layout']} | {r['impl']} | {r['median_step_s']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup_vs_contiguous']:.2f}x | "
                      f"{r['tile_model_speedup']:.2f}x | "
                      f"{100 * r['attention_flop_share']:.0f}% | {r['final_loss']:.4f} |")
     ideal = 2 * devices / (devices + 1)
     mask = "within each packed document" if rows[0]["document_mask"] else "causal over whole rows"
-    lines.append(f"\n{rows[0]['processes']} process(es), {devices} devices in the ring, attention "
-                 f"{mask}; speedup = median over steps of contiguous's time / the layout's "
+    lines.append(f"\n{rows[0]['processes']} process(es), {devices} devices on the sequence axis, attention "
+                 f"{mask}; speedup = median over steps of the ring with the contiguous layout's "
+                 f"time / this row's (the first row's when that ring is not run) "
                  f"on the same batch; tile model = the same ratio of attention critical paths "
                  f"in tiles (parallel/schedule.py), what attention alone would gain; "
                  f"ideal causal speedup 2N/(N+1) = {ideal:.2f}x, with tiles skipped inside the "
@@ -177,9 +195,9 @@ def write_report(rows: list[dict], out: pathlib.Path, devices: int):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     seq_lens = sorted({r["seq_len"] for r in rows})
-    for layout in dict.fromkeys(r["layout"] for r in rows):
-        pts = sorted((r["seq_len"], r["speedup_vs_contiguous"]) for r in rows if r["layout"] == layout)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=layout)
+    for label in dict.fromkeys(_label(r) for r in rows):
+        pts = sorted((r["seq_len"], r["speedup_vs_contiguous"]) for r in rows if _label(r) == label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(ideal, linestyle="--", color="gray", label=f"ideal 2N/(N+1) = {ideal:.2f}")
     # With tiles skipped inside the diagonal block the limit is (2N-1)/N (parallel/schedule.py).
     limit = (2 * devices - 1) / devices
@@ -187,8 +205,9 @@ def write_report(rows: list[dict], out: pathlib.Path, devices: int):
     ax.set_xscale("log", base=2)
     ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("training throughput vs contiguous")
-    ax.set_title(f"Ring attention layouts, {devices} devices")
+    ax.set_ylabel("training throughput vs ring, contiguous")
+    impls = sorted({r.get("impl", "ring") for r in rows})
+    ax.set_title(f"{'Ring attention layouts' if impls == ['ring'] else ', '.join(impls)}, {devices} devices")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=120)

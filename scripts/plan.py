@@ -6,7 +6,8 @@
 Compiles the real train step for the mesh on simulated CPU devices (no weights allocated) and
 prints parameters, FLOPs per token, per-device memory of the compiled program against the
 hardware's, the program's collectives per step, and a projected step time and MFU bound per
-token layout. Exit code 2 with one line on stderr for a config or mesh that cannot run.
+token layout, then the same per context-parallel strategy (--impls ring,allgather,ulysses,usp;
+usp at every Ulysses degree the heads allow) with the fastest named. Exit code 2 with one line on stderr for a config or mesh that cannot run.
 """
 import os
 import sys

@@ -61,30 +61,35 @@ def test_compare_layouts_writes_all_layouts(tmp_path, mask):
            "--block", "16", "--document-mask", mask,
            "--set", "data.source=jsonl", "--set", f"data.path={docs}",
            "--set", "model.vocab_size=512", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    impls = ["ring", "usp"] if mask == "off" else ["ring"]  # usp: 2 groups of 2 (ulysses 2)
+    cmd += ["--impls", ",".join(impls), "--ulysses", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["rows"]
-    assert {r["layout"] for r in rows} == {"contiguous", "striped", "zigzag"}
+    assert {(r["impl"], r["layout"]) for r in rows} == {
+        (i, lay) for i in impls for lay in ("contiguous", "striped", "zigzag")}
     for r in rows:
         assert {"layout", "seq_len", "processes", "median_step_s", "tokens_per_s",
                 "speedup_vs_contiguous", "final_loss"} <= r.keys()
         assert r["seq_len"] == 256 and r["processes"] == 1 and r["median_step_s"] > 0
-    # Same weights, same data, same math: every layout's loss after 3 steps agrees.
+    # Same weights, same data, same math: every layout's and implementation's loss after 3
+    # steps agrees.
     losses = [r["final_loss"] for r in rows]
     assert max(losses) - min(losses) < 1e-4 * max(losses)
-    assert [r["speedup_vs_contiguous"] for r in rows if r["layout"] == "contiguous"] == [1.0]
+    assert [r["speedup_vs_contiguous"] for r in rows
+            if r["layout"] == "contiguous" and r["impl"] == "ring"] == [1.0]
     assert all(r["document_mask"] == (mask == "on") and r["block"] == 16 for r in rows)
-    tile_model = {r["layout"]: r["tile_model_speedup"] for r in rows}
+    tile_model = {(r["impl"], r["layout"]): r["tile_model_speedup"] for r in rows}
     if mask == "off":  # every step has the same schedule: exactly the closed-form ratio
-        cp = {lay: work(lay, 256, 4, 16).critical_path for lay in tile_model}
-        assert tile_model == {lay: cp["contiguous"] / cp[lay] for lay in tile_model}
+        cp = {(i, lay): work(lay, 256, 4, 16).strategy_critical_path(i, 2) for i, lay in tile_model}
+        assert tile_model == {key: cp["ring", "contiguous"] / cp[key] for key in tile_model}
     else:  # each step's own document boundaries remove tiles
         for r in rows:
             assert len(r["tile_critical_paths"]) == 2
             assert all(0 < t < work(r["layout"], 256, 4, 16).critical_path
                        for t in r["tile_critical_paths"])
             ref = next(x for x in rows if x["layout"] == "contiguous")["tile_critical_paths"]
-            assert tile_model[r["layout"]] == statistics.median(
+            assert tile_model[r["impl"], r["layout"]] == statistics.median(
                 a / b for a, b in zip(ref, r["tile_critical_paths"]))
-    assert "| 256 | striped |" in (out / "results.md").read_text()
+    assert "| 256 | striped | ring |" in (out / "results.md").read_text()
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"

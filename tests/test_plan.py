@@ -243,3 +243,38 @@ def test_recomputed_matmuls_follow_what_the_trainer_recomputes():
     c.model.mlp_chunk = 0
     assert step_time.recomputed_matmul_params(c, "attention") == head
     assert step_time.recomputed_matmul_params(c, "none") == head
+
+
+def test_strategies_in_the_plan(tiny_plan):
+    """Every strategy the heads allow is projected with its memory estimate; the fastest named."""
+    _, js = tiny_plan
+    names = {(p["impl"], p["ulysses"]) for p in js["strategies"].values()}
+    assert names == {("ring", 1), ("allgather", 1), ("usp", 2)}  # 2 kv heads: no 4-way Ulysses
+    assert js["invalid"] == ["ulysses (U=4)"]
+    assert js["fastest"] in js["strategies"]
+    best = js["strategies"][js["fastest"]]["projected_step_s"]
+    assert all(p["projected_step_s"] >= best and p["memory_bytes_est"] > 0 for p in js["strategies"].values())
+    ring = js["strategies"]["ring striped"]
+    assert ring["projected_step_s"] == js["layouts"]["striped"]["projected_step_s"]
+    assert ring["memory_bytes_est"] == js["memory_per_device_bytes"]
+
+
+def test_the_hybrid_beats_a_64_device_ring_across_nodes():
+    """7B at 1M tokens on 64 H100s: the ring's rounds wait for 50 GB/s links; Ulysses groups
+    inside a node make each ring round U times the compute for the same transfer."""
+    mesh = {"data": 1, "fsdp": 1, "sequence": 64, "tensor": 1}
+    config = planned_config(importlib.import_module("configs.llama_7b").get_config(), 1048576, 1,
+                            mesh, "full")
+    proj = step_time.project_strategies(config, mesh, 1, HARDWARE["h100"], ["zigzag"], "full")
+    st = proj["strategies"]
+    assert proj["invalid"] == ["ulysses (U=64)"]  # 32 heads
+    assert set(st) == {"ring zigzag", "allgather zigzag"} | {f"usp(U={u}) zigzag" for u in (2, 4, 8, 16, 32)}
+    ring, usp8 = st["ring zigzag"], st["usp(U=8) zigzag"]
+    assert 0.24 < ring["mfu_bound"] < 0.28 and ring["collective_s"] > 0.5 * ring["attention_s"]
+    assert usp8["mfu_bound"] > 2 * ring["mfu_bound"]
+    assert usp8["links"] == "all-to-all 450 GB/s, ring 50 GB/s"  # the 8-device group is a node
+    assert st["usp(U=16) zigzag"]["links"] == "all-to-all 50 GB/s, ring 50 GB/s"
+    assert proj["fastest"].startswith("usp(U=")
+    # all-gather holds every chunk's K/V and fp32 dK/dV: 64 x what one ring block is
+    s = step_time.shape_of(config, mesh, 1)
+    assert st["allgather zigzag"]["attention_buffers_bytes"] == 64 * sum(step_time._kv_bytes(s))

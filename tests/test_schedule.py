@@ -161,3 +161,25 @@ def test_document_mask_counts_equal_kernel_predicate(layout, stripe, n):
 def test_document_mask_rejects_wrong_shape():
     with pytest.raises(ValueError, match=r"segment_ids must be \[B, 32\], got \(2, 16\)"):
         work("striped", 32, 2, 2, segment_ids=np.ones((2, 16), np.int32))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "striped", "zigzag"])
+def test_strategy_critical_paths(layout):
+    """Each strategy's waits, counted directly from the per-chunk-pair tiles."""
+    n, seq_len, block = 8, 512, 8
+    w = work(layout, seq_len, n, block)
+    pair = np.zeros((n, n))  # [q chunk, kv chunk] tiles, from the rounds: kv chunk (d - r) mod n
+    for r in range(n):
+        for d in range(n):
+            pair[d, (d - r) % n] = w.tiles[r, d]
+    assert pair.sum() == w.total
+    assert w.strategy_critical_path("ring") == w.critical_path
+    assert w.strategy_critical_path("allgather") == pair.sum(axis=1).max()
+    assert w.strategy_critical_path("ulysses") == w.total / n == w.strategy_critical_path("usp", n)
+    assert w.strategy_critical_path("usp", 1) == w.critical_path
+    u, rr = 2, n // 2  # groups {0,1}, {2,3}, ...; round t: group g holds kv of group g - t
+    want = sum(max(pair[2 * g:2 * g + 2, 2 * ((g - t) % rr):2 * ((g - t) % rr) + 2].sum() / u
+                   for g in range(rr)) for t in range(rr))
+    assert w.strategy_critical_path("usp", 2) == want
+    with pytest.raises(ValueError, match="ulysses degree 3 does not divide 8 shards"):
+        w.strategy_critical_path("usp", 3)

@@ -26,7 +26,7 @@ def test_tiny_config_is_valid_on_8_devices():
 
 @pytest.mark.parametrize("overrides,devices,message", [
     ({"attention__layout": "spiral"}, 8, "attention.layout='spiral' is not one of contiguous, striped, zigzag"),
-    ({"attention__impl": "flash"}, 8, "attention.impl='flash' is not one of ring, dense"),
+    ({"attention__impl": "flash"}, 8, "attention.impl='flash' is not one of ring, allgather, ulysses, usp, dense"),
     ({"data__seq_len": 510}, 8, "data.seq_len: seq_len 510 is not divisible by shards x stripe width (4 x 1 = 4)"),
     ({"data__seq_len": 516, "attention__layout": "zigzag"}, 8, "not divisible by 2 x shards (2 x 4 = 8) for the zigzag layout"),
     ({"attention__block_q": 48}, 8, "attention.block_q=48 does not divide the per-device chunk of 128 tokens (seq_len 512 / 4 sequence shards); valid attention.block_q: 1, 2, 4, 8, 16, 32, 64, 128"),
@@ -52,12 +52,23 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"attention__kernel": "triton"}, 8, "attention.kernel='triton' is not one of auto, xla, pallas_gpu, pallas_tpu"),
     ({"attention__kernel": "pallas_gpu", "attention__pallas_block_q": 48}, 8, "attention.pallas_block_q=48 does not divide the per-device chunk of 128 tokens"),
     ({"attention__pallas_block_kv": -1}, 8, "attention.pallas_block_kv=-1 must be >= 0 (0: the kernel's default)"),
+    ({"attention__impl": "ulysses"}, 8, "attention.impl=ulysses: ulysses splits heads over the 4-way sequence axis, but query heads (4) and kv heads (2) per tensor shard are not both divisible by 4; sequence axis sizes that work: 1, 2 (or usp/ring/allgather)"),
+    ({"attention__impl": "usp", "attention__ulysses": 4}, 8, "attention.ulysses=4: usp ulysses degree 4 must divide the sequence axis (4) and both query heads (4) and kv heads (2) per tensor shard; valid: 1, 2"),
+    ({"attention__impl": "usp", "attention__ulysses": 0}, 8, "attention.ulysses=0: usp ulysses degree 0 must divide"),
+    ({"attention__impl": "usp", "mesh__tensor": 2, "mesh__fsdp": 1}, 8, "attention.ulysses=2: usp ulysses degree 2 must divide the sequence axis (4) and both query heads (2) and kv heads (1) per tensor shard; valid: 1"),
+    ({"attention__impl": "allgather", "attention__block_kv": 48}, 8, "attention.block_kv=48 does not divide the per-device chunk of 128 tokens"),
 ])
 def test_bad_value_gives_one_clear_line(overrides, devices, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg(**overrides), devices)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("impl,overrides", [("allgather", {}), ("usp", {}),
+                                            ("ulysses", {"mesh__sequence": 2, "mesh__fsdp": 4})])
+def test_every_strategy_validates(impl, overrides):
+    assert validate(cfg(attention__impl=impl, **overrides), 8)["sequence"] in (2, 4)
 
 
 def test_auto_kernel_tiles_follow_the_platform():

@@ -9,7 +9,7 @@ from parallel.layouts import LAYOUTS, check as check_layout
 from parallel.mesh import mesh_shape
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
-IMPLS = ("ring", "dense")
+IMPLS = ("ring", "allgather", "ulysses", "usp", "dense")
 WANDB_MODES = ("disabled", "offline", "online")
 
 
@@ -77,7 +77,15 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
         import jax
         platform = jax.devices()[0].platform
     kernel = kernels.resolve(a.kernel, platform)
-    if a.impl == "ring" or kernel != "xla":
+    if a.impl in ("ulysses", "usp"):
+        from parallel.ulysses import check_heads
+        try:
+            check_heads(a.impl, m.num_heads // sizes["tensor"], m.num_kv_heads // sizes["tensor"], n,
+                        a.ulysses)
+        except ValueError as e:
+            field = "attention.impl=ulysses" if a.impl == "ulysses" else f"attention.ulysses={a.ulysses}"
+            raise ConfigError(f"{field}: {e}") from None
+    if a.impl != "dense" or kernel != "xla":
         names = ("block_q", "block_kv") if kernel == "xla" else ("pallas_block_q", "pallas_block_kv")
         for field, block in zip(names, kernels.tiles(kernel, a, m.num_heads // m.num_kv_heads)):
             try:  # the kernel's own rule: a tile longer than the chunk is clamped to it

@@ -1,0 +1,108 @@
+"""All-gather context parallelism (parallel/allgather.py) against the float64 reference: every
+layout, MHA and GQA, packed documents, N in {2, 4, 8}, outputs and gradients of q, k, v.
+
+Every layout of a case reuses one compiled program (positions are runtime data), so each case
+costs one compilation; the cases cover every value of each dimension.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallel.attention import context_parallel_attention
+from test_attention import (B, D, L, check, inputs, random_segments, reference, ring_mesh,
+                            ring_outputs)
+
+LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
+HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy
+    print(f"numpy seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def run_all_layouts(rng, n, heads, mask, dtype=jnp.float32, tol=1e-5, layouts=LAYOUTS, **kw):
+    q, k, v, dout = inputs(rng, *heads, dtype=dtype)
+    seg = random_segments(rng, B, L) if mask == "packed" else None
+    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+    want = reference(q, k, v, dout, pos, seg)
+    for layout, stripe in layouts:
+        got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
+                           segment_ids=seg, dtype=dtype, impl="allgather", **kw)
+        check(got, want, tol)
+
+
+@pytest.mark.parametrize("n,heads,mask", [(2, "mha", "packed"), (4, "gqa4", "packed"),
+                                          (8, "gqa4", "causal")])
+def test_allgather_matches_reference(rng, n, heads, mask):
+    layouts = LAYOUTS + [("striped", 2)] if n == 4 else LAYOUTS
+    run_all_layouts(rng, n, HEADS[heads], mask, layouts=layouts, block_q=4, block_kv=2)
+
+
+def test_allgather_bf16(rng):
+    run_all_layouts(rng, 4, (4, 2), "packed", dtype=jnp.bfloat16, tol=2e-2, block_q=4, block_kv=4)
+
+
+@pytest.fixture
+def scatter_mode(monkeypatch):
+    """Sets which platforms all-reduce instead of reduce-scattering dK/dV; the compiled
+    programs (cached per configuration) are dropped before and after."""
+    from parallel import allgather, attention
+
+    def set_mode(platforms):
+        attention._backward_program.cache_clear()
+        monkeypatch.setattr(allgather, "ALL_REDUCE_INSTEAD_OF_SCATTER", platforms)
+    yield set_mode
+    attention._backward_program.cache_clear()
+
+
+def test_allgather_with_reduce_scatter(rng, scatter_mode):
+    """The accelerators' path (reduce-scatter) is exact too."""
+    scatter_mode(set())
+    run_all_layouts(rng, 4, (4, 2), "causal", layouts=[("zigzag", 1)], block_q=4, block_kv=4)
+
+
+def test_allgather_through_the_fused_kernel(rng):
+    """The Pallas kernel (interpret mode on a CPU) through the same chunk loop."""
+    run_all_layouts(rng, 2, (4, 2), "packed", block_q=4, block_kv=8, kernel="pallas_gpu",
+                    layouts=[("striped", 1), ("zigzag", 1)])
+
+
+def _collectives(jaxpr, out=None):
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("all_gather", "reduce_scatter", "psum_scatter", "psum",
+                                  "psum_invariant", "ppermute", "all_to_all"):
+            out.append((eqn.primitive.name, str(eqn.invars[0].aval.dtype),
+                        tuple(eqn.invars[0].aval.shape)))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _collectives(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("scatter", [True, False], ids=["reduce_scatter", "cpu_all_reduce"])
+def test_allgather_traffic(scatter_mode, scatter):
+    """Forward: K/V (the Hkv heads only, input dtype) and positions gathered once, nothing
+    else moves. Backward: gathered again (residuals stay sharded), fp32 dK/dV reduce-scattered
+    (on a CPU: all-reduced, then each device keeps its chunk)."""
+    scatter_mode(set() if scatter else {"cpu"})
+    n = 4
+    q = jnp.zeros((1, 8 * n, 4, D), jnp.bfloat16)
+    kv = jnp.zeros((1, 8 * n, 1, D), jnp.bfloat16)
+    f = lambda q, k, v: context_parallel_attention(q, k, v, mesh=ring_mesh(n), layout="striped",
+                                                   block_q=4, impl="allgather")
+    fwd = _collectives(jax.make_jaxpr(f)(q, kv, kv).jaxpr)
+    block = (1, 1, 8, D)  # [B, Hkv, chunk, D] per device
+    assert sorted(fwd) == sorted([("all_gather", "bfloat16", block)] * 2 + [("all_gather", "int32", (1, 8))])
+    both = _collectives(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, kv, kv).jaxpr)
+    reduce = [c for c in both if c[0] in ("reduce_scatter", "psum_scatter", "psum", "psum_invariant")]
+    assert [c[1:] for c in reduce] == [("float32", (1, 1, 8 * n, D))] * 2
+    assert all((c[0] in ("reduce_scatter", "psum_scatter")) == scatter for c in reduce)
+    assert not [c for c in both if c[0] in ("ppermute", "all_to_all")]
+    assert len([c for c in both if c[0] == "all_gather"]) == 2 * len(fwd)

@@ -1,0 +1,116 @@
+"""Ulysses and the hybrid usp (parallel/ulysses.py) against the float64 reference: every
+layout, MHA and GQA, packed documents, outputs and gradients of q, k, v; Ulysses over N in
+{2, 4, 8}, usp with (Ulysses degree, ring length) in {(2, 2), (2, 4), (4, 2)}; the head
+divisibility errors; the traffic of the hybrid.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from parallel.attention import context_parallel_attention
+from parallel.layouts import inverse, permutation
+from test_allgather import _collectives
+from test_attention import (B, D, L, check, inputs, ppermute_hops, random_segments, reference,
+                            ring_mesh, ring_outputs)
+
+LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy
+    print(f"numpy seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def run_all_layouts(rng, n, heads, mask, impl, dtype=jnp.float32, tol=1e-5, layouts=LAYOUTS, **kw):
+    q, k, v, dout = inputs(rng, *heads, dtype=dtype)
+    seg = random_segments(rng, B, L) if mask == "packed" else None
+    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+    want = reference(q, k, v, dout, pos, seg)
+    for layout, stripe in layouts:
+        got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
+                           segment_ids=seg, dtype=dtype, impl=impl, **kw)
+        check(got, want, tol)
+
+
+# Heads must split N ways: GQA (4 query heads per kv head, or 2) where the kv heads allow.
+@pytest.mark.parametrize("n,heads,mask", [(2, (8, 2), "packed"), (4, (4, 4), "causal"),
+                                          (8, (8, 8), "packed")],
+                         ids=["n2-gqa4-packed", "n4-mha-causal", "n8-mha-packed"])
+def test_ulysses_matches_reference(rng, n, heads, mask):
+    layouts = LAYOUTS + [("striped", 2)] if n == 4 else LAYOUTS
+    run_all_layouts(rng, n, heads, mask, "ulysses", layouts=layouts, block_q=4, block_kv=2)
+
+
+@pytest.mark.parametrize("u,ring,heads,mask", [(2, 2, (4, 2), "packed"), (2, 4, (4, 4), "causal"),
+                                               (4, 2, (8, 4), "packed")],
+                         ids=["u2-ring2-gqa2-packed", "u2-ring4-mha-causal", "u4-ring2-gqa2-packed"])
+def test_usp_matches_reference(rng, u, ring, heads, mask):
+    run_all_layouts(rng, u * ring, heads, mask, "usp", ulysses=u, block_q=2, block_kv=4)
+
+
+def test_usp_bf16_through_the_fused_kernel(rng):
+    """The Pallas kernel (interpret mode on a CPU) through the all-to-all, chunk pairs and ring."""
+    run_all_layouts(rng, 4, (4, 2), "packed", "usp", dtype=jnp.bfloat16, tol=2e-2, ulysses=2,
+                    block_q=4, block_kv=8, kernel="pallas_tpu", layouts=[("striped", 1)])
+
+
+def test_usp_with_heads_over_tensor_on_an_explicit_mesh(rng):
+    """Heads also split over the tensor axis (U divides the local heads), a mesh with Explicit
+    axes, under jit: the groups of the all-to-all are the sequence axis' neighbours."""
+    mesh = jax.make_mesh((1, 4, 2), ("fsdp", "sequence", "tensor"), axis_types=(AxisType.Explicit,) * 3)
+    q, k, v, dout = inputs(rng, 8, 4)
+    seg = random_segments(rng, B, L)
+    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+    spec = NamedSharding(mesh, P(None, "sequence", "tensor", None))
+    perm = permutation("zigzag", L, 4)
+    place = lambda x: jax.device_put(x[:, perm], spec)
+
+    @jax.jit
+    def run(q, k, v, dout, seg):
+        f = lambda q, k, v: context_parallel_attention(q, k, v, mesh=mesh, layout="zigzag",
+                                                       segment_ids=seg, block_q=4, block_kv=4,
+                                                       impl="usp", ulysses=2)
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(dout))
+
+    with jax.set_mesh(mesh):
+        res = run(place(q), place(k), place(v), place(dout),
+                  jax.device_put(seg[:, perm], NamedSharding(mesh, P(None, "sequence"))))
+    assert res[0].sharding.spec == spec.spec
+    check([np.asarray(r)[:, inverse(perm)] for r in res], reference(q, k, v, dout, pos, seg), 1e-5)
+
+
+def test_usp_traffic():
+    """N=4, U=2: q/k/v go through one all-to-all each inside the pairs, then the ring of 2
+    groups moves a K/V block of the ring's size (U chunks of Hkv/U heads) once forward."""
+    n, u = 4, 2
+    q = jnp.zeros((1, 8 * n, 4, D), jnp.bfloat16)
+    kv = jnp.zeros((1, 8 * n, 2, D), jnp.bfloat16)
+    f = lambda q, k, v: context_parallel_attention(q, k, v, mesh=ring_mesh(n), layout="striped",
+                                                   block_q=4, impl="usp", ulysses=u)
+    jaxpr = jax.make_jaxpr(f)(q, kv, kv).jaxpr
+    block = (1, 2 // u, u * 8, D)  # [B, Hkv/U, U*C, D] per device
+    assert ppermute_hops(jaxpr) == {("bfloat16", block): 2 * (n // u - 1), ("int32", (1, u * 8)): n // u - 1}
+    a2a = [c for c in _collectives(jaxpr) if c[0] == "all_to_all"]
+    assert sorted(a2a) == sorted([("all_to_all", "bfloat16", (1, 8, 4, D)),  # q in
+                                  ("all_to_all", "bfloat16", (1, 8 * u, 4 // u, D))]  # out back
+                                 + [("all_to_all", "bfloat16", (1, 8, 2, D))] * 2)  # k, v in
+
+
+@pytest.mark.parametrize("impl,n,u,heads,message", [
+    ("ulysses", 4, None, (4, 2), r"^ulysses splits heads over the 4-way sequence axis, but query "
+     r"heads \(4\) and kv heads \(2\) per tensor shard are not both divisible by 4; sequence axis "
+     r"sizes that work: 1, 2 \(or usp/ring/allgather\)$"),
+    ("ulysses", 8, None, (8, 1), r"sequence axis sizes that work: 1 \("),
+    ("usp", 8, 4, (4, 2), r"^usp ulysses degree 4 must divide the sequence axis \(8\) and both "
+     r"query heads \(4\) and kv heads \(2\) per tensor shard; valid: 1, 2$"),
+    ("usp", 4, 3, (6, 6), r"degree 3 must divide the sequence axis \(4\) .* valid: 1, 2$"),
+])
+def test_heads_not_dividing_are_rejected_in_one_line(impl, n, u, heads, message):
+    q, kv = jnp.zeros((1, 8 * n, heads[0], D)), jnp.zeros((1, 8 * n, heads[1], D))
+    with pytest.raises(ValueError, match=message):
+        context_parallel_attention(q, kv, kv, mesh=ring_mesh(n), layout="striped", impl=impl, ulysses=u)
