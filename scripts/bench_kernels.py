@@ -65,7 +65,6 @@ def build(kernel, args, chunk, case, platform):
     """(fwd, fwd_bwd) jitted functions of (q, k, v, do) for one kernel, and its flop counts."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from parallel import blockwise as bw
     from parallel import kernels
     from parallel.kernels import fused
@@ -80,6 +79,10 @@ def build(kernel, args, chunk, case, platform):
     if kernel == "cudnn":
         def fwd(q, k, v, do):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+        def fwd_bwd(q, k, v, do):
+            out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, None), q, k, v)
+            return vjp(do)
     elif kernel == "xla":
         blk = min(args.xla_block, chunk)
 
@@ -118,11 +121,6 @@ def build(kernel, args, chunk, case, platform):
             delta = jnp.sum(do_q.astype(jnp.float32) * out, -1)
             return fused.grads(spec, query, kv, fused.fold_rows(do_q), fused.fold_rows(lse),
                                fused.fold_rows(delta), jnp.zeros(out.shape, jnp.float32))
-
-    if kernel == "cudnn":
-        def fwd_bwd(q, k, v, do):
-            out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, None), q, k, v)
-            return vjp(do)
 
     visible = int((kp[None, :] <= qp[:, None]).sum())
     flops = 4 * args.batch * hq * d * visible

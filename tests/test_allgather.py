@@ -6,44 +6,24 @@ costs one compilation; the cases cover every value of each dimension.
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from parallel.attention import context_parallel_attention
-from test_attention import (B, D, L, check, inputs, random_segments, reference, ring_mesh,
-                            ring_outputs)
+from test_attention import D, ring_mesh, run_all_layouts
 
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
 HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"numpy seed {seed}")
-    return np.random.default_rng(seed)
-
-
-def run_all_layouts(rng, n, heads, mask, dtype=jnp.float32, tol=1e-5, layouts=LAYOUTS, **kw):
-    q, k, v, dout = inputs(rng, *heads, dtype=dtype)
-    seg = random_segments(rng, B, L) if mask == "packed" else None
-    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    want = reference(q, k, v, dout, pos, seg)
-    for layout, stripe in layouts:
-        got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
-                           segment_ids=seg, dtype=dtype, impl="allgather", **kw)
-        check(got, want, tol)
 
 
 @pytest.mark.parametrize("n,heads,mask", [(2, "mha", "packed"), (4, "gqa4", "packed"),
                                           (8, "gqa4", "causal")])
 def test_allgather_matches_reference(rng, n, heads, mask):
     layouts = LAYOUTS + [("striped", 2)] if n == 4 else LAYOUTS
-    run_all_layouts(rng, n, HEADS[heads], mask, layouts=layouts, block_q=4, block_kv=2)
+    run_all_layouts(rng, n, HEADS[heads], mask, "allgather", layouts=layouts, block_q=4, block_kv=2)
 
 
 def test_allgather_bf16(rng):
-    run_all_layouts(rng, 4, (4, 2), "packed", dtype=jnp.bfloat16, tol=2e-2, block_q=4, block_kv=4)
+    run_all_layouts(rng, 4, (4, 2), "packed", "allgather", dtype=jnp.bfloat16, tol=2e-2, block_q=4, block_kv=4)
 
 
 @pytest.fixture
@@ -62,12 +42,12 @@ def scatter_mode(monkeypatch):
 def test_allgather_with_reduce_scatter(rng, scatter_mode):
     """The accelerators' path (reduce-scatter) is exact too."""
     scatter_mode(set())
-    run_all_layouts(rng, 4, (4, 2), "causal", layouts=[("zigzag", 1)], block_q=4, block_kv=4)
+    run_all_layouts(rng, 4, (4, 2), "causal", "allgather", layouts=[("zigzag", 1)], block_q=4, block_kv=4)
 
 
 def test_allgather_through_the_fused_kernel(rng):
     """The Pallas kernel (interpret mode on a CPU) through the same chunk loop."""
-    run_all_layouts(rng, 2, (4, 2), "packed", block_q=4, block_kv=8, kernel="pallas_gpu",
+    run_all_layouts(rng, 2, (4, 2), "packed", "allgather", block_q=4, block_kv=8, kernel="pallas_gpu",
                     layouts=[("striped", 1), ("zigzag", 1)])
 
 

@@ -20,13 +20,6 @@ from parallel.layouts import LAYOUTS, inverse, permutation
 B, L, D = 2, 64, 16
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"numpy seed {seed}")  # shown by pytest when the test fails
-    return np.random.default_rng(seed)
-
-
 def ring_mesh(n, axis_types=AxisType.Auto):
     return jax.make_mesh((n,), ("sequence",), axis_types=(axis_types,), devices=jax.devices()[:n])
 
@@ -113,6 +106,20 @@ def ring_outputs(q, k, v, dout, *, mesh, layout, segment_ids=None, positions=Non
     for r in res:
         assert r.dtype == dtype
     return [np.asarray(r.astype(jnp.float32))[:, inv] for r in res]
+
+
+def run_all_layouts(rng, n, heads, mask, impl="ring", dtype=jnp.float32, tol=1e-5,
+                    layouts=(("contiguous", 1), ("striped", 1), ("zigzag", 1)), **kw):
+    """One case (ring size, (Hq, Hkv), causal or packed, dtype) in every given (layout, stripe)
+    against the float64 reference; the layouts reuse one compiled program (positions are data)."""
+    q, k, v, dout = inputs(rng, *heads, dtype=dtype)
+    seg = random_segments(rng, B, L) if mask == "packed" else None
+    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+    want = reference(q, k, v, dout, pos, seg)
+    for layout, stripe in layouts:
+        got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
+                           segment_ids=seg, dtype=dtype, impl=impl, **kw)
+        check(got, want, tol)
 
 
 def check(got, want, tol):

@@ -16,12 +16,11 @@ import pytest
 
 from parallel import blockwise as bw
 from parallel import kernels
-from parallel.attention import context_parallel_attention
 from parallel.kernels import fused, tables
 from parallel.kernels.spec import RoundSpec
 from parallel.layouts import permutation
 from test_attention import (B, D, L, check, inputs, reference, rel_err, random_segments,
-                            ring_mesh, ring_outputs)
+                            ring_mesh, ring_outputs, run_all_layouts)
 
 PALLAS = ("pallas_gpu", "pallas_tpu")
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
@@ -47,27 +46,13 @@ def tiles(kernel):
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"numpy seed {seed}")
-    return np.random.default_rng(seed)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("kernel", PALLAS)
 def test_fused_ring_matches_reference(rng, kernel, case):
     n, heads, mask, dtype = case
-    q, k, v, dout = inputs(rng, *HEADS[heads], dtype=jnp.dtype(dtype))
-    seg = random_segments(rng, B, L) if mask == "packed" else None
-    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    want = reference(q, k, v, dout, pos, seg)
-    for layout, stripe in LAYOUTS:
-        bq, bk = tiles(kernel)
-        got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
-                           segment_ids=seg, dtype=jnp.dtype(dtype), block_q=bq, block_kv=bk,
-                           kernel=kernel)
-        check(got, want, TOL[dtype])
+    bq, bk = tiles(kernel)
+    run_all_layouts(rng, n, HEADS[heads], mask, dtype=jnp.dtype(dtype), tol=TOL[dtype],
+                    layouts=LAYOUTS, block_q=bq, block_kv=bk, kernel=kernel)
 
 
 @pytest.mark.parametrize("kernel", PALLAS)

@@ -13,27 +13,9 @@ from parallel.attention import context_parallel_attention
 from parallel.layouts import inverse, permutation
 from test_allgather import _collectives
 from test_attention import (B, D, L, check, inputs, ppermute_hops, random_segments, reference,
-                            ring_mesh, ring_outputs)
+                            ring_mesh, run_all_layouts)
 
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"numpy seed {seed}")
-    return np.random.default_rng(seed)
-
-
-def run_all_layouts(rng, n, heads, mask, impl, dtype=jnp.float32, tol=1e-5, layouts=LAYOUTS, **kw):
-    q, k, v, dout = inputs(rng, *heads, dtype=dtype)
-    seg = random_segments(rng, B, L) if mask == "packed" else None
-    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    want = reference(q, k, v, dout, pos, seg)
-    for layout, stripe in layouts:
-        got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
-                           segment_ids=seg, dtype=dtype, impl=impl, **kw)
-        check(got, want, tol)
 
 
 # Heads must split N ways: GQA (4 query heads per kv head, or 2) where the kv heads allow.
