@@ -19,6 +19,7 @@ once one restores, the broken newer ones are moved to ``skipped/``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import re
 import sys
@@ -78,6 +79,16 @@ def _quiet_orphaned_reads():
 
     hook._drops_closed_loop = True
     sys.unraisablehook = hook
+    # The sibling reads of a failed one end as asyncio tasks whose error nobody awaits; asyncio
+    # logs each as "Task exception was never retrieved" with a traceback when it is collected.
+    logging.getLogger("asyncio").addFilter(_drop_orphaned_read_errors)
+
+
+def _drop_orphaned_read_errors(record) -> bool:
+    """False (drop) for asyncio's report of a never-awaited tensorstore read error."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage().startswith("Task exception was never retrieved")
+                and isinstance(exc, ValueError) and "Error opening" in str(exc))
 
 
 def _first_line(e: BaseException, limit: int = 160) -> str:

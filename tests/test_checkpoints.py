@@ -153,3 +153,20 @@ def test_stop_on_signal_test_holds_when_started_with_sigint_ignored():
                            "-q", "-p", "no:cacheprovider", test],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_orphaned_read_errors_of_a_skipped_checkpoint_are_dropped_and_nothing_else():
+    """When one read of a damaged checkpoint fails, asyncio later reports its never-awaited
+    siblings as tracebacks; only exactly those reports are dropped (the skip is one line)."""
+    import logging
+    from checkpoints import manager
+    manager._quiet_orphaned_reads()
+    assert manager._drop_orphaned_read_errors in logging.getLogger("asyncio").filters
+
+    def record(msg, exc):
+        return logging.LogRecord("asyncio", logging.ERROR, "", 0, msg, None, (type(exc), exc, None))
+
+    orphan = ValueError('OUT_OF_RANGE: Error opening "zarr" driver: Error reading byte range')
+    assert not manager._drop_orphaned_read_errors(record("Task exception was never retrieved\nfuture: <Task>", orphan))
+    assert manager._drop_orphaned_read_errors(record("Task exception was never retrieved", ValueError("a bug")))
+    assert manager._drop_orphaned_read_errors(record("Unclosed client session", orphan))
