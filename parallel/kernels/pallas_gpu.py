@@ -38,6 +38,14 @@ def _three_ranges(t_ref, body, carry):
     return lax.fori_loop(fhi, hi, body(True), carry)
 
 
+def _kv_mask(spec: RoundSpec, masked, qp, qs, kp_ref, ks_ref, sl):
+    """Visibility of the program's q rows against kv slice ``sl``, or None when unmasked."""
+    if not masked:
+        return None
+    ks = ks_ref[sl][None, :] if spec.has_seg else None
+    return flash.mask(qp, kp_ref[sl][None, :], qs, ks, spec.causal)
+
+
 def _seg_refs(refs, has_seg):
     """The refs after the fixed inputs: ``(q_seg, k_seg, *outputs)`` or just the outputs."""
     return (refs[0], refs[1], refs[2:]) if has_seg else (None, None, refs)
@@ -87,10 +95,7 @@ def _fwd_kernel(t_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: RoundSp
     def body(masked):
         def step(j, carry):
             sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
-            vis = None
-            if masked:
-                vis = flash.mask(qp, kp_ref[sl][None, :], qs,
-                                 ks_ref[sl][None, :] if spec.has_seg else None, spec.causal)
+            vis = _kv_mask(spec, masked, qp, qs, kp_ref, ks_ref, sl)
             return flash.fwd_update(carry, q, k_ref[sl, :], v_ref[sl, :], spec.scale, vis)
         return step
 
@@ -126,10 +131,7 @@ def _dq_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, k
     def body(masked):
         def step(j, dq):
             sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
-            vis = None
-            if masked:
-                vis = flash.mask(qp, kp_ref[sl][None, :], qs,
-                                 ks_ref[sl][None, :] if spec.has_seg else None, spec.causal)
+            vis = _kv_mask(spec, masked, qp, qs, kp_ref, ks_ref, sl)
             k = k_ref[sl, :]
             p = flash.probs(q, k, lse, spec.scale, vis)
             return flash.dq_update(dq, flash.grad_scores(p, do, v_ref[sl, :], delta), k)
@@ -161,10 +163,8 @@ def _dkv_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, 
     def body(masked):
         def step(i, carry):
             sl = pl.ds(pl.multiple_of(i * r, r), r)
-            vis = None
-            if masked:
-                vis = flash.mask(qp_ref[sl][:, None], kp,
-                                 qs_ref[sl][:, None] if spec.has_seg else None, ks, spec.causal)
+            vis = None if not masked else flash.mask(
+                qp_ref[sl][:, None], kp, qs_ref[sl][:, None] if spec.has_seg else None, ks, spec.causal)
             q, do = q_ref[sl, :], do_ref[sl, :]
             p = flash.probs(q, k, lse_ref[sl][:, None], spec.scale, vis)
             ds = flash.grad_scores(p, do, v, delta_ref[sl][:, None])

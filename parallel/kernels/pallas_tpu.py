@@ -43,6 +43,14 @@ def _when_visited(tbl_ref, i, t, n, kh, compute):
     pl.when((j < hi) & ~unmasked)(lambda: compute(True))
 
 
+def _mask(spec: RoundSpec, masked, qp_ref, kp_ref, qs_ref, ks_ref):
+    """The step's visibility mask, or None for a tile the table runs unmasked."""
+    if not masked:
+        return None
+    seg = (qs_ref[...], ks_ref[...]) if spec.has_seg else (None, None)
+    return flash.mask(qp_ref[...], kp_ref[...], seg[0], seg[1], spec.causal)
+
+
 def _split(refs, has_seg):
     return (refs[0], refs[1], refs[2:]) if has_seg else (None, None, refs)
 
@@ -108,8 +116,7 @@ def _fwd_kernel(tbl_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: Round
         o_acc[...], m_acc[...], l_acc[...] = flash.fwd_init(*o_acc.shape)
 
     def compute(masked):
-        vis = flash.mask(qp_ref[...], kp_ref[...], qs_ref[...] if spec.has_seg else None,
-                         ks_ref[...] if spec.has_seg else None, spec.causal) if masked else None
+        vis = _mask(spec, masked, qp_ref, kp_ref, qs_ref, ks_ref)
         o_acc[...], m_acc[...], l_acc[...] = flash.fwd_update(
             (o_acc[...], m_acc[...], l_acc[...]), q_ref[...], k_ref[...], v_ref[...], spec.scale, vis)
 
@@ -149,8 +156,7 @@ def _dq_kernel(tbl_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref,
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
     def compute(masked):
-        vis = flash.mask(qp_ref[...], kp_ref[...], qs_ref[...] if spec.has_seg else None,
-                         ks_ref[...] if spec.has_seg else None, spec.causal) if masked else None
+        vis = _mask(spec, masked, qp_ref, kp_ref, qs_ref, ks_ref)
         k = k_ref[...]
         p = flash.probs(q_ref[...], k, lse_ref[...], spec.scale, vis)
         ds = flash.grad_scores(p, do_ref[...], v_ref[...], delta_ref[...])
@@ -187,8 +193,7 @@ def _dkv_kernel(tbl_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
     def compute(masked):
-        vis = flash.mask(qp_ref[...], kp_ref[...], qs_ref[...] if spec.has_seg else None,
-                         ks_ref[...] if spec.has_seg else None, spec.causal) if masked else None
+        vis = _mask(spec, masked, qp_ref, kp_ref, qs_ref, ks_ref)
         q, do = q_ref[...], do_ref[...]
         p = flash.probs(q, k_ref[...], lse_ref[...], spec.scale, vis)
         ds = flash.grad_scores(p, do, v_ref[...], delta_ref[...])
