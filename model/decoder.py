@@ -114,7 +114,7 @@ class Decoder(nnx.Module):
 def backend_from_config(config, mesh=None) -> AttentionBackend:
     from parallel import kernels
     a = config.attention
-    kernel = kernels.resolve(a.get("kernel", "auto"), kernels.platform_of(mesh))
+    kernel = kernels.resolve(a.kernel, kernels.platform_of(mesh))
     block_q, block_kv = kernels.tiles(kernel, a, config.model.num_heads // config.model.num_kv_heads)
     return AttentionBackend(impl=a.impl, layout=a.layout, kernel=kernel, stripe=a.stripe,
                             block_q=block_q, block_kv=block_kv, mesh=mesh,

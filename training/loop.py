@@ -60,11 +60,10 @@ def forget_after(workdir: pathlib.Path, step: int):
             path.write_text("".join(kept))
 
 
-def kernel_note(config, mesh) -> str:
-    """The per-round attention kernel this run resolves to, and whether it is interpreted."""
-    from model.decoder import backend_from_config
+def kernel_note(trainer: Trainer, mesh) -> str:
+    """The per-round attention kernel the model resolved to, and whether it is interpreted."""
     from parallel import kernels
-    kernel = backend_from_config(config, mesh).kernel
+    kernel = trainer.backend.kernel
     interpreted = kernels.interpret(kernel, kernels.platform_of(mesh))
     return kernel + (" (Pallas interpret mode: exact but slow)" if interpreted else "")
 
@@ -118,7 +117,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     peak = peak_flops_total(override_tflops=t.peak_tflops)
     log.write(f"model: {param_count(m) / 1e6:.1f}M params, {flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
-              f"{config.attention.layout}, kernel {kernel_note(config, mesh)}; "
+              f"{config.attention.layout}, kernel {kernel_note(trainer, mesh)}; "
               f"{tokens_per_step} tokens/step"
               f"{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}; workdir {workdir}")
 

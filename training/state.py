@@ -36,7 +36,7 @@ class Trainer:
         self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
         self.param_shardings = nnx.to_pure_dict(param_shardings(abstract_params, mesh))
         self.optimizer = make_optimizer(config.train, decay_mask(abstract_params))
-        self._backend = backend
+        self.backend = backend
         replicated = NamedSharding(mesh, P())
         abstract_pure = nnx.to_pure_dict(abstract_params)
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_pure)
@@ -46,7 +46,6 @@ class Trainer:
                                           opt_state=opt_shardings, bad_step=replicated)
         self.batch_shardings = {k: batch_sharding(mesh) for k in BATCH_KEYS}
         self._micro_sharding = NamedSharding(mesh, P(None, *batch_sharding(mesh).spec))
-        self._grad_shardings = self.param_shardings
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_pure,
@@ -62,7 +61,7 @@ class Trainer:
             out_shardings=replicated)
 
     def _init(self, seed):
-        model = Decoder(self.config.model, self._backend, nnx.Rngs(jax.random.key(seed)))
+        model = Decoder(self.config.model, self.backend, nnx.Rngs(jax.random.key(seed)))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=self.optimizer.init(params),
@@ -106,11 +105,11 @@ class Trainer:
             loss_sum, grads = carry
             loss, g = jax.value_and_grad(micro_loss)(params, micro)
             grads = jax.tree.map(jnp.add, grads, g)
-            grads = jax.lax.with_sharding_constraint(grads, self._grad_shardings)
+            grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
             return (loss_sum + loss, grads), None
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
-                                                 self._grad_shardings)
+                                                 self.param_shardings)
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
                                         {key: split(v) for key, v in batch.items()})
         return loss, count, grads

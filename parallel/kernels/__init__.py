@@ -56,8 +56,7 @@ def tiles(kernel: str, attention, group: int = 1) -> tuple[int, int]:
     if kernel == "xla":
         return attention.block_q, attention.block_kv
     default_q, default_kv = default_tiles(kernel, group)
-    return (attention.get("pallas_block_q", 0) or default_q,
-            attention.get("pallas_block_kv", 0) or default_kv)
+    return attention.pallas_block_q or default_q, attention.pallas_block_kv or default_kv
 
 
 def interpret(kernel: str, platform: str) -> bool:
