@@ -6,6 +6,7 @@ compute runs in ``dtype``. Activations are [B, L, ...] in whatever token layout 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -88,6 +89,7 @@ class AttentionBackend:
                 and (self.mesh is None or self.mesh.shape.get("sequence", 1) == 1))
 
 
+@functools.cache
 def _single_device_mesh():
     return jax.make_mesh((1,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:1])

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from model.chunks import map_chunks, num_chunks  # noqa: F401
+from model.chunks import map_chunks
 from model.layers import rms_norm
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from jax import lax
 
+from parallel import kernels
 from parallel import blockwise as bw
 from parallel import rounds
 
@@ -26,7 +27,7 @@ ALL_REDUCE_INSTEAD_OF_SCATTER = {"cpu"}
 
 def _reduce_scatter(x, ring, chunk):
     """Each device's chunk of the sum over devices of ``x [B, K, N*C, D]`` (fp32 dK/dV)."""
-    if ring.mesh.devices.flat[0].platform in ALL_REDUCE_INSTEAD_OF_SCATTER:
+    if kernels.platform_of(ring.mesh) in ALL_REDUCE_INSTEAD_OF_SCATTER:
         i = lax.axis_index(ring.axis)
         return lax.dynamic_slice_in_dim(lax.psum(x, ring.axis), i * chunk, chunk, 2)
     return lax.psum_scatter(x, ring.axis, scatter_dimension=2, tiled=True)

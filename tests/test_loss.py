@@ -7,7 +7,8 @@ import optax
 import pytest
 from flax import nnx
 
-from model.loss import chunked_token_losses, num_chunks
+from model.chunks import num_chunks
+from model.loss import chunked_token_losses
 from parallel.mesh import make_mesh
 from test_state import config as tiny_config, natural_batch
 from training.state import Trainer
