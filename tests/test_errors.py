@@ -19,8 +19,10 @@ def test_each_layer_raises_the_classes_of_errors_py():
     assert layouts.LayoutError is errors.LayoutError
     assert mesh.MeshError is errors.MeshError
     assert DataError is errors.DataError
+    from parallel import kernels
+    assert kernels.KernelError is errors.KernelError
     for cls in (errors.ConfigError, errors.ConfigFileError, errors.CheckpointError,
-                errors.LayoutError, errors.MeshError, errors.DataError):
+                errors.LayoutError, errors.MeshError, errors.DataError, errors.KernelError):
         assert issubclass(cls, user_errors()), cls
         assert issubclass(cls, ValueError), cls  # callers that catch ValueError still do
 
