@@ -38,3 +38,8 @@ class DataError(UserError):
 
 class KernelError(UserError):
     """An attention kernel request that cannot run (an unknown name)."""
+
+
+class ConversionError(UserError):
+    """A Hugging Face checkpoint or a run that cannot be converted (another architecture, a
+    setting the model does not have, missing or malformed files)."""

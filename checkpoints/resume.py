@@ -34,6 +34,12 @@ def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, ob
 
     def check(meta, step, path):  # on metadata only, before any array is read
         fits(meta, step, path)
+        if meta.get("params_only"):
+            raise CheckpointError(
+                f"checkpoint step {step} ({path}) holds weights only (scripts/convert_hf.py "
+                f"import): start from it in a new --workdir with "
+                f"--config.checkpoint.restore_from=<its run> "
+                f"--config.checkpoint.restore_weights_only=True")
         if step > steps:
             raise CheckpointError(f"the checkpoint to continue from is at step {step}, past "
                                   f"train.steps={steps}; raise --config.train.steps to go on")

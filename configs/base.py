@@ -19,7 +19,19 @@ def get_config() -> ml_collections.ConfigDict:
     m.num_kv_heads = 8  # key/value heads; < num_heads is GQA (must divide num_heads)
     m.head_dim = 0  # per-head width; 0 means d_model // num_heads
     m.ffn_dim = 1376  # SwiGLU hidden width
-    m.rope_theta = 10000.0  # RoPE base frequency
+    m.rope_theta = 10000.0  # RoPE base frequency (context extension raises it, e.g. 500000)
+    # RoPE scaling for context extension, as Hugging Face defines each type (model/rope.py).
+    m.rope_scaling = s = ml_collections.ConfigDict()
+    s.type = "none"  # none | linear (position interpolation) | dynamic (NTK) | yarn | llama3
+    s.factor = 1.0  # context multiple the scaling stretches the positions by (>= 1)
+    s.original_max_len = 0  # pretraining context (dynamic, yarn, llama3 need it)
+    s.low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are scaled
+    s.high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    s.beta_fast = 32.0  # yarn: rotations above which a frequency extrapolates
+    s.beta_slow = 1.0  # yarn: rotations below which a frequency interpolates
+    s.attention_factor = 0.0  # yarn: cos/sin scale; 0 means 0.1 * ln(factor) + 1
+    s.truncate = True  # yarn: round the ramp's ends to whole dimensions
+    m.tie_embeddings = False  # the output head is the embedding table (as in TinyLlama-like HF models)
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))
     m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)

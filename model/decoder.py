@@ -1,4 +1,4 @@
-"""The LLaMA-style decoder: embedding, a scanned stack of blocks, final norm, untied head."""
+"""The LLaMA-style decoder: embedding, a scanned stack of blocks, final norm, head (own or tied)."""
 from __future__ import annotations
 
 import jax
@@ -51,13 +51,17 @@ def remat_policy(name: str, platform: str | None = None):
 class Decoder(nnx.Module):
     def __init__(self, m, backend: AttentionBackend, rngs: nnx.Rngs):
         dtype = compute_dtype(m.dtype)
-        self.embed = _param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), 1.0)
+        tied = bool(m.get("tie_embeddings", False))
+        # A tied table is also the output head, so it starts at the head's scale.
+        self.embed = _param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"),
+                            m.init_std if tied else 1.0)
         keys = jax.random.split(rngs.params(), m.num_layers)
         # One Block's structure, parameters stacked over layers so that lax.scan can run them:
         # compile time stays flat in depth.
         self.blocks = nnx.vmap(lambda k: Block(m, backend, dtype, nnx.Rngs(k)))(keys)
         self.final_norm = RMSNorm(m.d_model, m.norm_eps)
-        self.head = _param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
+        self.head = None if tied else _param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"),
+                                             m.init_std)
         self.dtype, self.remat, self.scan_layers = dtype, m.remat, m.scan_layers
         self.num_layers = m.num_layers
         self.act_sharding = (jax.sharding.NamedSharding(backend.mesh, jax.sharding.PartitionSpec(
@@ -67,7 +71,7 @@ class Decoder(nnx.Module):
         """Logits [B, L, V] in fp32, in the batch's token layout (generation; training never
         makes them whole: see token_losses)."""
         x_BLD = self.final_norm(self.hidden(tokens_BL, positions_BL, segment_ids_BL))
-        return jnp.einsum("bld,dv->blv", x_BLD, self.head[...].astype(self.dtype),
+        return jnp.einsum("bld,dv->blv", x_BLD, self.head_DV().astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
     def token_losses(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL,
@@ -77,8 +81,12 @@ class Decoder(nnx.Module):
         x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
         mesh = self.act_sharding.mesh if self.act_sharding is not None else None
         return chunked_token_losses(x_BLD, labels_BL, mask_BL, self.final_norm.scale[...],
-                                    self.head[...], eps=self.final_norm.eps, chunk=chunk,
+                                    self.head_DV(), eps=self.final_norm.eps, chunk=chunk,
                                     mesh=mesh, compute_dtype=self.dtype)
+
+    def head_DV(self):
+        """The output projection [D, V]: the embedding table itself when tied."""
+        return self.embed[...].T if self.head is None else self.head[...]
 
     def hidden(self, tokens_BL, positions_BL, segment_ids_BL):
         """The last block's output [B, L, D] (before the final norm), in the batch's layout."""

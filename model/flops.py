@@ -12,13 +12,19 @@ def param_count(m) -> int:
     attn = m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads)  # wq, wo, wk, wv
     mlp = 3 * m.d_model * m.ffn_dim  # w_gate, w_up, w_down
     norms = 2 * m.d_model
-    embed_and_head = 2 * m.vocab_size * m.d_model  # untied
+    embed_and_head = (1 if _tied(m) else 2) * m.vocab_size * m.d_model
     return m.num_layers * (attn + mlp + norms) + embed_and_head + m.d_model  # + final norm
 
 
+def _tied(m) -> bool:
+    return bool(m.get("tie_embeddings", False))
+
+
 def matmul_params(m) -> int:
-    """Parameters that take part in a matmul per token (everything but norms and the embedding)."""
-    return param_count(m) - m.vocab_size * m.d_model - (2 * m.num_layers + 1) * m.d_model
+    """Parameters that take part in a matmul per token (everything but norms and the embedding
+    lookup; a tied table counts once, as the head)."""
+    lookup = 0 if _tied(m) else m.vocab_size * m.d_model
+    return param_count(m) - lookup - (2 * m.num_layers + 1) * m.d_model
 
 
 def attention_flops_per_token(m, seq_len: int, causal: bool = True) -> float:

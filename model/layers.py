@@ -15,6 +15,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from model.rope import Rope, from_config as rope_from_config
+
 
 def _param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
@@ -35,14 +37,11 @@ def rms_norm(x, scale, eps: float):
     return (y * scale).astype(x.dtype)
 
 
-def rope(x_BLHD, positions_BL, theta: float):
-    """Rotary embedding of the given true positions (never the array index: layouts permute)."""
-    d = x_BLHD.shape[-1]
-    freqs = theta ** (-np.arange(0, d, 2, dtype=np.float32) / d)
-    angle_BLF = positions_BL.astype(jnp.float32)[..., None] * freqs
-    cos, sin = jnp.cos(angle_BLF)[:, :, None, :], jnp.sin(angle_BLF)[:, :, None, :]
-    x1, x2 = jnp.split(x_BLHD.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHD.dtype)
+def rope(x_BLHD, positions_BL, theta):
+    """Rotary embedding of the given true positions (never the array index: layouts permute).
+    ``theta``: the base, or a model.rope.Rope with its context-extension scaling."""
+    spec = theta if isinstance(theta, Rope) else Rope(theta=float(theta))
+    return spec(x_BLHD, positions_BL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +102,12 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, m.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs, (d, m.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wo = _param(rngs, (m.num_heads, hd, d), ("heads", "head_dim", "embed"), out_std)
-        self.theta, self.backend, self.dtype = m.rope_theta, backend, dtype
+        self.rope, self.backend, self.dtype = rope_from_config(m), backend, dtype
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         c = lambda p: p[...].astype(self.dtype)
-        q_BLHD = rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wq)), positions_BL, self.theta)
-        k_BLKD = rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wk)), positions_BL, self.theta)
+        q_BLHD = self.rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wq)), positions_BL)
+        k_BLKD = self.rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wk)), positions_BL)
         v_BLKD = jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wv))
         o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL)
         return jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype), c(self.wo))

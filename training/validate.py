@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from errors import ConfigError, LayoutError, MeshError
+from model import rope
 from model.decoder import DTYPES, REMAT
 from parallel import kernels
 from parallel.attention import tile_size
@@ -38,6 +39,8 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(m.param_dtype == "float32", f"model.param_dtype={m.param_dtype!r}: only float32 is supported")
     _need(m.mlp_chunk >= 0, f"model.mlp_chunk={m.mlp_chunk} must be >= 0 (tokens per MLP chunk; 0 = whole)")
     _need(m.remat in REMAT, f"model.remat={m.remat!r} is not one of {', '.join(REMAT)}")
+    problem = rope.check(rope.from_config(m))
+    _need(problem is None, f"model.{problem}")
 
     _need(a.impl in IMPLS, f"attention.impl={a.impl!r} is not one of {', '.join(IMPLS)}")
     _need(a.layout in LAYOUTS, f"attention.layout={a.layout!r} is not one of {', '.join(LAYOUTS)}")

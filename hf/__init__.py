@@ -1,0 +1,1 @@
+"""Hugging Face interop: LlamaForCausalLM checkpoints in and out (scripts/convert_hf.py)."""

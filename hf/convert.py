@@ -1,0 +1,182 @@
+"""Hugging Face checkpoint directory <-> run directory.
+
+Import writes what ``train.py`` leaves in a run directory: ``config.json`` (the given config,
+model fields from HF, ``data.tokenizer`` pointing at the run's tokenizer), ``tokenizer.json``
+and its fingerprint, ``checkpoints/0`` holding the parameters only (a weights-only start:
+``--config.checkpoint.restore_weights_only=True``), and the HF side files in ``hf/`` for the
+export. Parameters keep the checkpoint's dtype on disk (bf16 stays bf16) and become fp32 when
+a run restores them. Export reads a run's newest checkpoint (or one step) and writes a
+directory ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Callable
+
+import numpy as np
+
+from errors import ConversionError
+from hf import config as hf_config, safetensors, weights
+
+HF_DIR = "hf"  # a run's copy of the imported HF config and tokenizer files
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
+              "special_tokens_map.json")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<|startoftext|>", "<bos>")
+
+
+def _fresh(out: pathlib.Path, flag: str):
+    """Conversions write into a new (or empty) directory only: they never overwrite."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"{flag} {out} already exists and is not empty; give a new directory")
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+
+
+def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str = "configs/base.py",
+              overrides=(), log: Callable[[str], None] = print) -> pathlib.Path:
+    """Writes a run directory at ``out`` from the HF directory ``hf``; returns ``out``."""
+    from configs.loading import load
+    from data.tokenizer import fingerprint, load as load_tokenizer
+    hf, out = pathlib.Path(hf).expanduser().absolute(), pathlib.Path(out).expanduser().absolute()
+    if not (hf / "config.json").is_file():
+        raise ConversionError(f"--hf {hf}: no config.json (give a local Hugging Face model directory)")
+    if not (hf / "tokenizer.json").is_file():
+        raise ConversionError(f"--hf {hf}: no tokenizer.json (a fast tokenizer is needed; "
+                              f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR) writes one)")
+    _fresh(out, "--out")
+    cfg = _read_json(hf / "config.json")
+    fields = hf_config.model_fields(cfg)
+    config = load(config_path, overrides)
+    scaling = fields.pop("rope_scaling")
+    config.model.update(fields)
+    config.model.rope_scaling.update(scaling)
+    tokenizer = load_tokenizer(str(hf / "tokenizer.json"), config.model.vocab_size)
+    tensors = safetensors.Tensors(hf)
+    params = weights.params_from_hf(tensors, config.model)
+    config.data.tokenizer = str(out / "tokenizer.json")
+    if not any(o.startswith("data.seq_len=") for o in overrides) and cfg.get("max_position_embeddings"):
+        config.data.seq_len = int(cfg["max_position_embeddings"])  # the context it was trained at
+    config.name = f"{config.name}-{hf.name}"
+
+    out.mkdir(parents=True, exist_ok=True)
+    fp = fingerprint(tokenizer)
+    (out / "tokenizer.json").write_text(tokenizer.to_str())
+    (out / "tokenizer_fingerprint.txt").write_text(fp + "\n")
+    (out / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    (out / HF_DIR).mkdir()
+    for name in SIDE_FILES:
+        if (hf / name).is_file():
+            shutil.copyfile(hf / name, out / HF_DIR / name)
+    _save_params(out, params, config, fp, str(hf))
+    n = sum(int(np.prod(a.shape)) for a in _leaves(params))
+    m = config.model
+    log(f"imported {hf.name}: {n / 1e6:.1f}M parameters ({_dtype_of(params)}), {m.num_layers} "
+        f"layers, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}, rope_theta "
+        f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
+        + (", tied embeddings" if m.tie_embeddings else "") + f" -> {out}")
+    return out
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    else:
+        yield tree
+
+
+def _dtype_of(params) -> str:
+    return str(next(iter(_leaves(params))).dtype)
+
+
+def _save_params(out: pathlib.Path, params: dict, config, fp: str, source: str):
+    import ml_collections
+
+    from checkpoints.manager import Checkpoints
+    ckpt = ml_collections.ConfigDict({"keep": 1, "keep_every": 0, "async_save": False})
+    ckpts = Checkpoints(out / "checkpoints", ckpt, log=lambda _: None)
+    meta = {"config": json.loads(config.to_json_best_effort()), "tokenizer": fp,
+            "params_only": True, "imported_from": source}
+    ckpts.save(0, {"params": params}, {}, meta, force=True)
+    ckpts.wait()
+    ckpts.close()
+
+
+def _hf_side_dir(run) -> pathlib.Path | None:
+    """The ``hf/`` files of this run, or of the run it started from (restore_from), if any."""
+    d, seen = run.directory, 0
+    while d is not None and seen < 8:
+        if (d / HF_DIR / "config.json").is_file():
+            return d / HF_DIR
+        seen += 1
+        try:
+            from checkpoints.rundir import _with_defaults
+            cfg = _with_defaults(json.loads((d / "config.json").read_text()))
+        except (OSError, ValueError):
+            return None
+        src = cfg.checkpoint.restore_from
+        if not src:
+            return None
+        p = pathlib.Path(src).expanduser().absolute()
+        while p != p.parent and not (p / "config.json").is_file():
+            p = p.parent  # restore_from may name checkpoints/ or one step inside the run
+        d = p if (p / "config.json").is_file() else None
+    return None
+
+
+def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "auto",
+              step: int | None = None, max_shard_gb: float = 5.0,
+              log: Callable[[str], None] = print) -> pathlib.Path:
+    """Writes an HF LlamaForCausalLM directory at ``out`` from a run's checkpoint."""
+    import jax
+    import ml_dtypes
+
+    from checkpoints.rundir import open_run, single_device_params
+    from data.tokenizer import EOS_NAMES
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    out = pathlib.Path(out).expanduser().absolute()
+    _fresh(out, "--out")
+    run = open_run(run_dir, log=log)
+    side = _hf_side_dir(run)
+    base = _read_json(side / "config.json") if side else None
+    if dtype == "auto":
+        dtype = (base or {}).get("torch_dtype") or (base or {}).get("dtype") or "bfloat16"
+        dtype = dtype if dtype in DTYPES else "bfloat16"
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    got = run.restore_params(single_device_params(run.config), step=step)
+    params = jax.device_get(got.params)
+    m = run.config.model
+    tensors = weights.hf_from_params(params, m, np_dtype)
+    tok = run.tokenizer
+    eos = next((tok.token_to_id(n) for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
+    bos_name = next((n for n in BOS_NAMES if tok.token_to_id(n) is not None), None)
+    bos = tok.token_to_id(bos_name) if bos_name else None
+    config = hf_config.hf_config(m, seq_len=int(run.config.data.seq_len), dtype=dtype, base=base,
+                                 bos=bos, eos=eos)
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.save_sharded(tensors, out, int(max_shard_gb * 2**30))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "tokenizer.json").write_text(tok.to_str())
+    for name in SIDE_FILES[1:]:
+        if side and (side / name).is_file():
+            shutil.copyfile(side / name, out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        eos_name = tok.id_to_token(eos) if eos is not None else None
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_name,
+            "bos_token": bos_name, "model_max_length": config["max_position_embeddings"],
+            "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    n = sum(int(np.prod(a.shape)) for a in tensors.values())
+    log(f"exported step {got.step} of {run.directory}: {len(tensors)} tensors, {n / 1e6:.1f}M "
+        f"parameters in {dtype}, rope_theta {m.rope_theta:g}, rope scaling "
+        f"{m.rope_scaling.type} -> {out}")
+    return out

@@ -1,0 +1,73 @@
+"""Hugging Face LLaMA checkpoints in and out of run directories.
+
+    python scripts/convert_hf.py import --hf HF_DIR --out RUN_DIR [--config configs/X.py] [--config.a.b=v ...]
+    python scripts/convert_hf.py export --run RUN_DIR --out HF_DIR [--dtype bfloat16] [--step N]
+
+import reads a local LlamaForCausalLM directory (config.json, model.safetensors or shards with
+their index, tokenizer.json), without torch, and writes a run directory: its config (the
+--config file's, default configs/base.py, with the model fields from HF), its tokenizer and a
+step-0 checkpoint of the weights. Train from it with
+    python train.py --config configs/X.py --config.checkpoint.restore_from=RUN_DIR \\
+        --config.checkpoint.restore_weights_only=True --config.data.tokenizer=RUN_DIR/tokenizer.json
+(and the model fields the import printed), or use it directly with scripts/generate.py,
+scripts/eval.py and scripts/eval_passkey.py. export writes a directory that transformers'
+AutoModelForCausalLM and AutoTokenizer load, with rope_theta / rope_scaling as trained.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF directory -> run directory")
+    imp.add_argument("--hf", required=True, help="local Hugging Face model directory")
+    imp.add_argument("--out", required=True, help="new run directory")
+    imp.add_argument("--config", default="configs/base.py",
+                     help="config whose non-model fields the run takes (default configs/base.py)")
+    exp = sub.add_parser("export", help="run directory -> HF directory")
+    exp.add_argument("--run", required=True, help="run directory (train.py --workdir or an import)")
+    exp.add_argument("--out", required=True, help="new Hugging Face model directory")
+    exp.add_argument("--dtype", default="auto",
+                     help="float32 | bfloat16 | float16 | auto (the imported model's, else bfloat16)")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    args, rest = p.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        if args.command != "import" or not item.startswith("--config."):
+            p.error(f"unrecognized argument {item}")
+        overrides.append(item[len("--config."):])
+    args.overrides = overrides
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    from training.entry import user_errors
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        from hf.convert import export_hf, import_hf
+        if args.command == "import":
+            out = import_hf(args.hf, args.out, args.config, args.overrides, log=log)
+        else:
+            out = export_hf(args.run, args.out, args.dtype, args.step, args.max_shard_gb, log=log)
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
