@@ -4,6 +4,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The tests also read a real TFDS dataset: TensorFlow CPU + TFDS (about 1.5 GB, 40 s to install).
 TFDS_STAMP := $(VENV)/.installed-tfds
+# The Hugging Face parity tests compare against transformers on torch (CPU build).
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test bench install clean device-wheels
 
@@ -17,12 +19,16 @@ $(TFDS_STAMP): requirements-tfds.txt $(STAMP)
 	$(BIN)/python -m pip install -q -r requirements-tfds.txt
 	touch $(TFDS_STAMP)
 
+$(TEST_STAMP): requirements-test.txt $(STAMP)
+	$(BIN)/python -m pip install -q -r requirements-test.txt
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python train.py --config configs/tiny.py
 
-test: $(STAMP) $(TFDS_STAMP)
+test: $(STAMP) $(TFDS_STAMP) $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 clean:

@@ -144,11 +144,14 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
                    "high_freq_factor": float(s.high_freq_factor)}
     elif s.type == "yarn":
         scaling = {"rope_type": "yarn", "factor": float(s.factor),
-                   "original_max_position_embeddings": int(s.original_max_len),
-                   "beta_fast": float(s.beta_fast), "beta_slow": float(s.beta_slow),
-                   "truncate": bool(s.truncate)}
-        if s.attention_factor:
-            scaling["attention_factor"] = float(s.attention_factor)
+                   "original_max_position_embeddings": int(s.original_max_len)}
+        # Only what differs from transformers' defaults, so that the config reads as imported.
+        for key, value, default in (("beta_fast", float(s.beta_fast), 32.0),
+                                    ("beta_slow", float(s.beta_slow), 1.0),
+                                    ("truncate", bool(s.truncate), True),
+                                    ("attention_factor", float(s.attention_factor), 0.0)):
+            if value != default:
+                scaling[key] = value
     out.update({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": int(m.vocab_size), "hidden_size": int(m.d_model),

@@ -43,7 +43,7 @@ def _read_json(path: pathlib.Path) -> dict:
 def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str = "configs/base.py",
               overrides=(), log: Callable[[str], None] = print) -> pathlib.Path:
     """Writes a run directory at ``out`` from the HF directory ``hf``; returns ``out``."""
-    from configs.loading import load
+    from configs.loading import load, set_field
     from data.tokenizer import fingerprint, load as load_tokenizer
     hf, out = pathlib.Path(hf).expanduser().absolute(), pathlib.Path(out).expanduser().absolute()
     if not (hf / "config.json").is_file():
@@ -54,10 +54,15 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
     _fresh(out, "--out")
     cfg = _read_json(hf / "config.json")
     fields = hf_config.model_fields(cfg)
-    config = load(config_path, overrides)
+    config = load(config_path)
     scaling = fields.pop("rope_scaling")
     config.model.update(fields)
     config.model.rope_scaling.update(scaling)
+    for item in overrides:  # after the HF fields: the user's word wins (e.g. a new rope_theta)
+        dotted, eq, text = item.partition("=")
+        if not eq:
+            raise ConversionError(f"--config.{item} is not --config.FIELD=VALUE")
+        set_field(config, dotted, text)
     tokenizer = load_tokenizer(str(hf / "tokenizer.json"), config.model.vocab_size)
     tensors = safetensors.Tensors(hf)
     params = weights.params_from_hf(tensors, config.model)

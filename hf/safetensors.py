@@ -49,8 +49,12 @@ class Tensors:
                 raise ConversionError(f"{index} names {name}, which is not in {directory}")
             header, data = _open(path)
             for key, info in header.items():
-                if key != "__metadata__":
-                    self._where[key] = (data, info, path)
+                if key == "__metadata__":
+                    continue
+                if info.get("data_offsets", [0, 0])[1] > len(data):
+                    raise ConversionError(f"{path}: tensor {key} ends past the end of the file; "
+                                          f"the file is truncated (download or copy it again)")
+                self._where[key] = (data, info, path)
 
     def names(self) -> list[str]:
         return sorted(self._where)

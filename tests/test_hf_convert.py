@@ -1,0 +1,219 @@
+"""scripts/convert_hf.py against transformers: small random LlamaForCausalLMs imported give
+transformers' logits (dense, and ring attention in every layout) and its greedy tokens; an
+export loads back in transformers with the very same tensors; bad input is one line."""
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+# The reference, from requirements-test.txt (make test installs it).
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from checkpoints.rundir import open_run, single_device_model
+from data.tokenizer import EOS, train_bpe
+from hf.safetensors import Tensors
+from model.decoder import Decoder
+from model.layers import AttentionBackend
+from parallel.layouts import permutation
+from parallel.mesh import make_mesh
+from scripts import convert_hf
+
+ORIGINAL = 16  # the HF models' pretraining context: every test runs past it
+SCALINGS = {
+    "none": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+}
+
+
+def tokenizer_files(rng, directory: pathlib.Path):
+    """A byte-level BPE trained on random words, saved the way HF fast tokenizers are."""
+    words = ["".join(rng.choice(list("abcdefghijklmnop"), rng.integers(2, 8))) for _ in range(300)]
+    tok = train_bpe([" ".join(rng.choice(words, 60)) for _ in range(80)], 300)
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS}))
+    return tok
+
+
+def hf_model(rng, directory: pathlib.Path, *, scaling="none", tied=False, kv_heads=2,
+             dtype=torch.float32, shard=None, **config):
+    """Saves a random LlamaForCausalLM (weights far from init, so every tensor matters)."""
+    directory.mkdir(parents=True)
+    tok = tokenizer_files(rng, directory)
+    max_pos = ORIGINAL * 4 if scaling in ("yarn", "llama3") else ORIGINAL
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_pos, rms_norm_eps=float(rng.uniform(1e-6, 1e-4)),
+                      rope_theta=float(rng.uniform(1e3, 1e5)), rope_scaling=SCALINGS[scaling],
+                      tie_word_embeddings=tied, eos_token_id=tok.token_to_id(EOS), **config)
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model = model.to(dtype)
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    return model.float().eval()
+
+
+def import_run(hf_dir, out, *extra):
+    assert convert_hf.main(["import", "--hf", str(hf_dir), "--out", str(out), *extra]) == 0
+    return open_run(out)
+
+
+def our_logits(run, tokens_BL, backend=AttentionBackend(), perm=None):
+    """Logits in natural order from the run's weights, computed in ``perm``'s layout order."""
+    graphdef, abstract = single_device_model(run.config)
+    params = run.restore_params(abstract).params
+    if backend.mesh is not None:
+        model_def = nnx.eval_shape(lambda: Decoder(run.config.model, backend, nnx.Rngs(0)))
+        graphdef = nnx.split(model_def, nnx.Param)[0]
+        params = jax.device_put(params, jax.sharding.NamedSharding(backend.mesh, jax.sharding.PartitionSpec()))
+    model = nnx.merge(graphdef, params)
+    B, L = tokens_BL.shape
+    perm = np.arange(L) if perm is None else perm
+    pos = np.broadcast_to(np.arange(L), (B, L))
+    out = model(jnp.asarray(tokens_BL[:, perm]), jnp.asarray(pos[:, perm]),
+                jnp.ones((B, L), jnp.int32))
+    natural = np.empty((B, L, out.shape[-1]), np.float32)
+    natural[:, perm] = np.asarray(out)
+    return natural
+
+
+def hf_logits(model, tokens_BL):
+    with torch.no_grad():
+        return model(torch.tensor(tokens_BL)).logits.numpy()
+
+
+def relative(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("scaling,tied,kv_heads", [
+    ("none", False, 4), ("linear", True, 2), ("dynamic", False, 1), ("yarn", True, 2),
+    ("llama3", False, 2)])
+def test_imported_logits_match_transformers_past_the_original_context(
+        rng, tmp_path, scaling, tied, kv_heads):
+    model = hf_model(rng, tmp_path / "hf", scaling=scaling, tied=tied, kv_heads=kv_heads)
+    run = import_run(tmp_path / "hf", tmp_path / "run")
+    m = run.config.model
+    assert (m.rope_scaling.type, m.tie_embeddings, m.num_kv_heads) == (scaling, tied, kv_heads)
+    tokens = rng.integers(0, m.vocab_size, (2, 4 * ORIGINAL))  # 4x the original context
+    assert relative(our_logits(run, tokens), hf_logits(model, tokens)) < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "striped", "zigzag"])
+def test_ring_attention_in_every_layout_gives_transformers_logits(rng, tmp_path, layout):
+    model = hf_model(rng, tmp_path / "hf", scaling="yarn", kv_heads=2)
+    run = import_run(tmp_path / "hf", tmp_path / "run")
+    mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+    backend = AttentionBackend(impl="ring", layout=layout, mesh=mesh, block_q=8, block_kv=8)
+    L = 4 * ORIGINAL
+    tokens = rng.integers(0, run.config.model.vocab_size, (2, L))
+    got = our_logits(run, tokens, backend, permutation(layout, L, 4))
+    assert relative(got, hf_logits(model, tokens)) < 1e-4
+
+
+def test_greedy_generation_gives_transformers_tokens(rng, tmp_path, capsys):
+    from scripts import generate
+    model = hf_model(rng, tmp_path / "hf", scaling="llama3", kv_heads=2)
+    run = import_run(tmp_path / "hf", tmp_path / "run", "--config.data.seq_len=128")
+    prompt = " ".join(run.tokenizer.decode([int(i)]) for i in rng.integers(5, 250, 12))
+    ids = run.tokenizer.encode(prompt).ids
+    new = 3 * ORIGINAL  # runs well past the original context
+    out = tmp_path / "gen.json"
+    assert generate.main(["--run", str(run.directory), "--prompt", prompt, "--greedy",
+                          "--max-new-tokens", str(new), "--json", str(out)]) == 0
+    ours = json.loads(out.read_text())["tokens"]
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                                eos_token_id=run.tokenizer.token_to_id(EOS))[0, len(ids):].tolist()
+    if theirs and theirs[-1] == run.tokenizer.token_to_id(EOS):
+        theirs = theirs[:-1]  # ours stops before printing the end-of-text token
+    assert ours == theirs and len(ours) > 0
+
+
+@pytest.mark.parametrize("dtype,shard", [(torch.float32, "40KB"), (torch.bfloat16, None)])
+def test_import_then_export_gives_the_original_tensors(rng, tmp_path, dtype, shard):
+    """Bit for bit, in the checkpoint's own dtype, from one file or shards with their index;
+    transformers loads the export and its tokenizer."""
+    hf_model(rng, tmp_path / "hf", scaling="yarn", tied=bool(rng.integers(2)), dtype=dtype,
+             shard=shard)
+    assert shard is None or (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    import_run(tmp_path / "hf", tmp_path / "run")
+    assert convert_hf.main(["export", "--run", str(tmp_path / "run"),
+                            "--out", str(tmp_path / "out")]) == 0
+    a, b = Tensors(tmp_path / "hf"), Tensors(tmp_path / "out")
+    assert a.names() == b.names()
+    for name in a.names():
+        assert a[name].dtype == b[name].dtype
+        np.testing.assert_array_equal(a[name].view(np.uint8), b[name].view(np.uint8))
+    original = json.loads((tmp_path / "hf" / "config.json").read_text())
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert exported.config.rope_parameters == original["rope_parameters"]
+    assert exported.config.tie_word_embeddings == original["tie_word_embeddings"]
+    text = " ".join(rng.choice(["abc", "defg", "hij", "klmnop", "ba"], 20))
+    ours = open_run(tmp_path / "run").tokenizer.encode(text).ids
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids == ours
+
+
+def test_trained_rope_is_what_transformers_reads_back(rng, tmp_path):
+    """A run whose rope_theta was raised (the extension recipe) exports that base, and
+    transformers' logits from the export are ours."""
+    hf_model(rng, tmp_path / "hf")
+    run = import_run(tmp_path / "hf", tmp_path / "run", "--config.model.rope_theta=500000.0",
+                     "--config.data.seq_len=64")
+    assert convert_hf.main(["export", "--run", str(run.directory), "--out", str(tmp_path / "out"),
+                            "--dtype", "float32"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    assert exported.config.rope_parameters["rope_theta"] == 500000.0
+    tokens = rng.integers(0, run.config.model.vocab_size, (1, 48))
+    assert relative(our_logits(run, tokens), hf_logits(exported, tokens)) < 1e-4
+
+
+def run_cli(capsys, *args):
+    code = convert_hf.main(list(args))
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def test_unsupported_models_and_bad_paths_are_one_line(rng, tmp_path, capsys):
+    hf_model(rng, tmp_path / "bias", attention_bias=True)
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "bias"), "--out", str(tmp_path / "r1"))
+    assert code == 2 and line.startswith("error: config.json: attention_bias=true")
+    assert not (tmp_path / "r1").exists()
+
+    hf_model(rng, tmp_path / "ok")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
+    assert code == 2 and "hidden_act='gelu'" in line
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
+    assert code == 2 and "only LLaMA-architecture decoders convert" in line
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
+
+    weights = tmp_path / "ok" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r3"))
+    assert code == 2 and line.startswith("error: ") and "model.safetensors" in line
+    weights.write_bytes(whole)
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "taken"))
+    assert code == 2 and "already exists and is not empty" in line
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r4"))
+    assert code == 2 and "no config.json" in line
