@@ -15,6 +15,7 @@ import ml_collections
 
 from checkpoints.compat import checker
 from checkpoints.manager import Checkpoints, Restored
+from configs.loading import over_base
 from errors import CheckpointError
 
 
@@ -38,23 +39,6 @@ def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
 
-def _with_defaults(saved: dict) -> ml_collections.ConfigDict:
-    """The saved config over configs/base.py: a run written before a field existed reads it
-    at its default (e.g. train.loss_chunk)."""
-    from configs import base
-    config = base.get_config()
-
-    def merge(into, values):
-        for key, value in values.items():
-            if isinstance(value, dict) and key in into and isinstance(into[key], ml_collections.ConfigDict):
-                merge(into[key], value)
-            else:
-                with into.unlocked():
-                    into[key] = value
-    merge(config, saved)
-    return config
-
-
 def open_run(directory: str | pathlib.Path, log=_log) -> Run:
     from tokenizers import Tokenizer
 
@@ -63,7 +47,7 @@ def open_run(directory: str | pathlib.Path, log=_log) -> Run:
     if not (d / "config.json").is_file():
         raise CheckpointError(f"--run {d}: not a run directory (no config.json; give the "
                               f"--workdir of a train.py run)")
-    config = _with_defaults(json.loads((d / "config.json").read_text()))
+    config = over_base(json.loads((d / "config.json").read_text()))
     tok_file = d / "tokenizer.json"
     if not tok_file.is_file():
         raise CheckpointError(f"--run {d}: no tokenizer.json (runs write it since checkpoints "

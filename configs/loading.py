@@ -18,15 +18,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def load(path: str, overrides=()):
-    """``get_config()`` of the file at ``path`` (relative paths from the repository root),
-    with each ``"a.b=value"`` of ``overrides`` applied, typed like the field it replaces."""
-    file = resolve(path)
+    """``get_config()`` of the file at ``path`` (relative paths from the repository root;
+    ``FILE.py:ARG`` calls ``get_config(ARG)``, as train.py's flag does), with each
+    ``"a.b=value"`` of ``overrides`` applied, typed like the field it replaces."""
+    path, colon, argument = path.partition(".py:")
+    file = resolve(path + ".py" if colon else path)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # configs import their base as ``configs.base``
     spec = importlib.util.spec_from_file_location(f"_config_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = module.get_config()
+    config = module.get_config(argument) if colon else module.get_config()
     for item in overrides:
         dotted, eq, text = item.partition("=")
         if not eq:
@@ -102,3 +104,22 @@ def set_field(config, dotted: str, text: str) -> None:
     except ValueError:
         raise ConfigFileError(f"config.{dotted}={text!r}: expected a {type(old).__name__}") from None
     node[leaf] = value
+
+
+def over_base(saved: dict):
+    """A saved config (a run's ``config.json``) over configs/base.py: a run written before a
+    field existed reads it at its default (e.g. train.loss_chunk)."""
+    import ml_collections
+
+    from configs import base
+    config = base.get_config()
+
+    def merge(into, values):
+        for key, value in values.items():
+            if isinstance(value, dict) and key in into and isinstance(into[key], ml_collections.ConfigDict):
+                merge(into[key], value)
+            else:
+                with into.unlocked():
+                    into[key] = value
+    merge(config, saved)
+    return config

@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from configs.loading import over_base
 from errors import ConversionError
 from hf import config as hf_config, safetensors, weights
 
@@ -123,8 +124,7 @@ def _hf_side_dir(run) -> pathlib.Path | None:
             return d / HF_DIR
         seen += 1
         try:
-            from checkpoints.rundir import _with_defaults
-            cfg = _with_defaults(json.loads((d / "config.json").read_text()))
+            cfg = over_base(json.loads((d / "config.json").read_text()))
         except (OSError, ValueError):
             return None
         src = cfg.checkpoint.restore_from

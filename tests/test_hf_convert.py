@@ -217,3 +217,42 @@ def test_unsupported_models_and_bad_paths_are_one_line(rng, tmp_path, capsys):
 
     code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r4"))
     assert code == 2 and "no config.json" in line
+
+
+def test_train_from_an_import_then_export_to_transformers(rng, tmp_path):
+    """The whole path: import, train.py from the import's weights at 4x its context with a
+    raised RoPE base (configs/from_run.py), export the trained run (the HF side files come
+    from the import it started from), and transformers' logits from the export are ours."""
+    import subprocess
+    import sys
+
+    import tests.trained_run as tr
+    hf_model(rng, tmp_path / "hf", kv_heads=2)
+    import_run(tmp_path / "hf", tmp_path / "base")
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": " ".join(rng.choice(["abc", "defg", "hij", "ba"], 80))})
+                            + "\n" for _ in range(40)))
+    cmd = [sys.executable, str(tr.ROOT / "train.py"), "--config",
+           f"configs/from_run.py:{tmp_path / 'base'}", "--workdir", str(tmp_path / "long"),
+           "--config.data.seq_len=64", "--config.data.batch_size=4", "--config.data.source=jsonl",
+           f"--config.data.path={text}", "--config.data.cache_dir=" + str(tmp_path / "cache"),
+           "--config.model.rope_theta=400000.0", "--config.mesh.sequence=4",
+           "--config.attention.block_q=8", "--config.attention.block_kv=8",
+           "--config.train.steps=3", "--config.train.lr=1e-3", "--config.train.warmup_steps=0",
+           "--config.train.log_every=1", "--config.train.eval_batches=1"]
+    done = subprocess.run(cmd, cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"starting from the weights of step 0 ({tmp_path / 'base'}" in done.stdout + done.stderr
+    assert convert_hf.main(["export", "--run", str(tmp_path / "long"), "--out",
+                            str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    assert exported.config.rope_parameters["rope_theta"] == 400000.0
+    assert exported.config.max_position_embeddings == 64
+    run = open_run(tmp_path / "long")
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())  # from the import
+    tokens = rng.integers(0, run.config.model.vocab_size, (1, 64))
+    trained = our_logits(run, tokens)
+    assert relative(trained, hf_logits(exported, tokens)) < 1e-4
+    before = hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval(), tokens)
+    assert relative(trained, before) > 1e-3  # the export holds the trained weights, not the import's
