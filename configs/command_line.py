@@ -41,8 +41,6 @@ def diagnose(args: list[str], name: str, default: str) -> str | None:
     both are fine."""
     path, overrides = _config_args(args, name)
     path = path or default
-    if ":" in path and not path.endswith(".py"):
-        return None  # ``file.py:argument`` config strings: ml_collections' to check
     try:
         config = load(path)
     except ConfigFileError as e:

@@ -22,6 +22,9 @@ def one_line_error(proc, expected: str):
     assert proc.stderr.splitlines() == [expected], proc.stderr[-2000:]
 
 
+# Every config file (a file with a get_config), as the message lists them.
+CONFIGS = sorted(f"configs/{f}" for f in os.listdir(os.path.join(ROOT, "configs"))
+                 if f.endswith(".py") and "\ndef get_config(" in open(os.path.join(ROOT, "configs", f)).read())
 TRAIN = ["train.py", "--config", "configs/tiny.py", "--workdir", "runs/never"]
 
 
@@ -36,8 +39,10 @@ TRAIN = ["train.py", "--config", "configs/tiny.py", "--workdir", "runs/never"]
     (["train.py", "--config", "configs/tyni.py", "--config.train.steps=3"],
      "error: --config configs/tyni.py: no such file; nearest: configs/tiny.py"),
     (["train.py", "--config=configs/missing.py"],
-     "error: --config configs/missing.py: no such file; configs: configs/base.py, "
-     "configs/llama_1b.py, configs/llama_3b.py, configs/llama_7b.py, configs/tiny.py"),
+     "error: --config configs/missing.py: no such file; configs: " + ", ".join(CONFIGS)),
+    (["train.py", "--config", "configs/from_run.py:runs/nowhere"],
+     "error: configs/from_run.py:runs/nowhere: not a run directory (no config.json); give an "
+     "import's --out or a train.py --workdir"),
     (TRAIN + ["--config.train.steps=three"],
      "error: flag --config.train.steps=three: invalid literal for int() with base 10: 'three'"),
     (TRAIN + ["--workdirr=x"], "error: Unknown command line flag 'workdirr'. Did you mean: workdir ?"),
