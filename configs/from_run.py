@@ -1,7 +1,7 @@
 """A run directory's own config, to continue from its weights: an import or a train.py run.
 
 Run:  python train.py --config configs/from_run.py:RUN_DIR --workdir runs/next [--config.a.b=v ...]
-(RUN_DIR from `python scripts/convert_hf.py import --hf HF_DIR --out RUN_DIR`, or a --workdir.)
+(RUN_DIR: an import's --out, see scripts/convert_hf.py, or a train.py --workdir.)
 Shows: "starting from the weights of step N", then training from those weights with the run's
 model (shapes, RoPE, tied head), tokenizer and settings; a fresh optimizer and data order.
 Every field can still be overridden (a new seq_len, mesh, rope_theta, learning rate).
