@@ -256,3 +256,19 @@ def test_train_from_an_import_then_export_to_transformers(rng, tmp_path):
     assert relative(trained, hf_logits(exported, tokens)) < 1e-4
     before = hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval(), tokens)
     assert relative(trained, before) > 1e-3  # the export holds the trained weights, not the import's
+
+
+def test_eval_reads_an_import_as_it_is(rng, tmp_path):
+    """scripts/eval.py takes an import's run directory: its tokenizer, its weights, its mesh."""
+    import tests.trained_run as tr
+    hf_model(rng, tmp_path / "hf", scaling="linear")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(rng.choice(["abc", "defg", "hij"], 60))})
+                            + "\n" for _ in range(30)))
+    import_run(tmp_path / "hf", tmp_path / "run", "--config.data.source=jsonl",
+               f"--config.data.path={docs}", f"--config.data.cache_dir={tmp_path / 'cache'}",
+               "--config.data.seq_len=32", "--config.data.batch_size=8")
+    done = tr.script("eval.py", "--run", tmp_path / "run", "--batches", "1", "--buckets", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
+    assert result["step"] == 0 and result["tokens"] > 0 and np.isfinite(result["loss"])
