@@ -17,7 +17,6 @@ from typing import Callable
 
 import numpy as np
 
-from configs.loading import over_base
 from errors import ConversionError
 from hf import config as hf_config, safetensors, weights
 
@@ -116,24 +115,21 @@ def _save_params(out: pathlib.Path, params: dict, config, fp: str, source: str):
     ckpts.close()
 
 
-def _hf_side_dir(run) -> pathlib.Path | None:
+def _hf_side_dir(run_dir: pathlib.Path) -> pathlib.Path | None:
     """The ``hf/`` files of this run, or of the run it started from (restore_from), if any."""
-    d, seen = run.directory, 0
-    while d is not None and seen < 8:
+    d = run_dir
+    for _ in range(8):  # a chain of runs, each started from the one before
         if (d / HF_DIR / "config.json").is_file():
             return d / HF_DIR
-        seen += 1
         try:
-            cfg = over_base(json.loads((d / "config.json").read_text()))
-        except (OSError, ValueError):
+            src = json.loads((d / "config.json").read_text())["checkpoint"]["restore_from"]
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        src = cfg.checkpoint.restore_from
         if not src:
             return None
-        p = pathlib.Path(src).expanduser().absolute()
-        while p != p.parent and not (p / "config.json").is_file():
-            p = p.parent  # restore_from may name checkpoints/ or one step inside the run
-        d = p if (p / "config.json").is_file() else None
+        d = pathlib.Path(src).expanduser().absolute()
+        while d != d.parent and not (d / "config.json").is_file():
+            d = d.parent  # restore_from may name checkpoints/ or one step inside the run
     return None
 
 
@@ -151,7 +147,7 @@ def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str =
     out = pathlib.Path(out).expanduser().absolute()
     _fresh(out, "--out")
     run = open_run(run_dir, log=log)
-    side = _hf_side_dir(run)
+    side = _hf_side_dir(run.directory)
     base = _read_json(side / "config.json") if side else None
     if dtype == "auto":
         dtype = (base or {}).get("torch_dtype") or (base or {}).get("dtype") or "bfloat16"
