@@ -11,6 +11,9 @@ second run with unchanged inputs never reads them again.
   directory of data files), through the same ``datasets`` calls.
 - ``tfds``: a TFDS builder name (``data.path``) prepared under ``data.data_dir``; optional
   extra (requirements-tfds.txt).
+
+With ``data.mixture`` set, the source is a ``MixtureSource``: one source of kind
+``data.source`` per entry (its PATH in place of ``data.path``), read one after the other.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import sys
 import sysconfig
 from typing import Iterator
 
+from data import mixture
 from errors import DataError
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
@@ -63,6 +67,12 @@ def _files_under(root: str) -> list[str]:
 class Source:
     kind = ""
     description = ""
+    weights = None  # a mixture's relative token shares, one per part
+
+    @property
+    def parts(self) -> list["Source"]:
+        """The sources read one after the other (each its own part of the corpus)."""
+        return [self]
 
     def signature(self) -> str:
         raise NotImplementedError
@@ -271,29 +281,60 @@ class TfdsSource(Source):
             yield value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
+class MixtureSource(Source):
+    """The entries of ``data.mixture``, in order; the signature changes when any part does."""
+    kind = "mixture"
+
+    def __init__(self, parts: list[Source], weights: list[float]):
+        self._parts, self.weights = parts, weights
+        self.description = f"a mixture of {len(parts)} sources ({parts[0].description}, ...)"
+
+    @property
+    def parts(self) -> list[Source]:
+        return list(self._parts)
+
+    def signature(self) -> str:
+        return "mixture:" + "\0".join(p.signature() for p in self._parts)
+
+    def documents(self) -> Iterator[str]:
+        for part in self._parts:
+            yield from part.documents()
+
+
 def make_source(data_cfg) -> Source:
-    """The source named by ``data_cfg.source``; raises DataError naming the valid ones."""
+    """The source named by ``data_cfg.source`` (a mixture of them with ``data_cfg.mixture``);
+    raises DataError naming the valid ones."""
+    entries = mixture.parse(data_cfg.mixture)
+    if not entries:
+        return _single(data_cfg, data_cfg.path)
+    if data_cfg.source == "stdlib" or data_cfg.path.strip():
+        mixture.check_fields(data_cfg)  # says which
+    return MixtureSource([_single(data_cfg, e.path) for e in entries], [e.weight for e in entries])
+
+
+def _single(data_cfg, path: str) -> Source:
     kind = data_cfg.source
     if kind == "stdlib":
         return StdlibSource()
     if kind in ("text", "jsonl", "parquet"):
-        return FilesSource(kind, data_cfg.path, data_cfg.text_field, data_cfg.streaming,
-                           data_cfg.cache_dir)
+        return FilesSource(kind, path, data_cfg.text_field, data_cfg.streaming, data_cfg.cache_dir)
     if kind == "hf":
-        return HFSource(data_cfg.path, data_cfg.hf_config, data_cfg.split, data_cfg.text_field,
+        return HFSource(path, data_cfg.hf_config, data_cfg.split, data_cfg.text_field,
                         data_cfg.streaming, data_cfg.cache_dir)
     if kind == "tfds":
-        return TfdsSource(data_cfg.path, data_cfg.data_dir, data_cfg.split, data_cfg.text_field)
+        return TfdsSource(path, data_cfg.data_dir, data_cfg.split, data_cfg.text_field)
     raise DataError(f"data.source {kind!r} is not a source; valid: {', '.join(SOURCES)}")
 
 
 def documents(source: Source, max_docs: int = 0) -> Iterator[str]:
-    """Non-empty documents of ``source`` in order, at most ``max_docs`` (0 = all)."""
-    n = 0
-    for doc in source.documents():
-        if not doc:
-            continue
-        yield doc
-        n += 1
-        if max_docs and n >= max_docs:
-            return
+    """Non-empty documents of ``source`` in order, at most ``max_docs`` (0 = all) from each of
+    its parts (each source of a mixture)."""
+    for part in source.parts:
+        n = 0
+        for doc in part.documents():
+            if not doc:
+                continue
+            yield doc
+            n += 1
+            if max_docs and n >= max_docs:
+                break
