@@ -99,8 +99,11 @@ class Plan:
     shares: list[SourceShare]
     upsampled: int  # distinct long documents repeated
 
-    def digest(self) -> str:
-        return hashlib.sha256(np.ascontiguousarray(self.documents, np.int64).tobytes()).hexdigest()[:16]
+
+def digest(documents: np.ndarray) -> str:
+    """Names an epoch's documents: saved with the iterator's position, so that a resume on
+    other data (another filter, upsampling or mixture) stops instead of drifting."""
+    return hashlib.sha256(np.ascontiguousarray(documents, np.int64).tobytes()).hexdigest()[:16]
 
 
 def upsampled(ids: np.ndarray, lengths: np.ndarray, long_tokens: int, times: int) -> np.ndarray:

@@ -118,10 +118,11 @@ class Pipeline:
                                        self.seq_len, reset)
         identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
                     "documents": int(self.epoch_docs.size), "shuffle_seed": self.shuffle_seed,
-                    "data_plan": self.plan.digest() if self.shapes_epoch else ""}
-        # States saved before the long-context options existed describe a plain pass.
+                    "data_plan": mixture.digest(self.epoch_docs)}
+        # States saved before the long-context options existed describe one plain pass.
+        plain = {"data_plan": mixture.digest(self.selection.unfiltered_train)}
         self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
-                                   int(d.prefetch), identity, defaults={"data_plan": ""})
+                                   int(d.prefetch), identity, defaults=plain)
 
     @property
     def shapes_epoch(self) -> bool:

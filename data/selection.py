@@ -21,6 +21,7 @@ class Selection:
     train_parts: list[np.ndarray]  # per source: sorted int64 training document ids
     heldout: np.ndarray  # sorted int64 held-out document ids, every source
     documents: int  # before the filter, both sides
+    unfiltered_train: np.ndarray  # sorted training ids before the filter: one plain pass
 
     @property
     def train(self) -> np.ndarray:
@@ -54,7 +55,7 @@ def select(corpus: Corpus, heldout_fraction: float, min_tokens: int,
         _need_some(heldout, lengths, min_tokens, "held-out", fix=", or raise data.heldout_fraction")
         train_parts = [ids[lengths[ids] >= min_tokens] for ids in train_parts]
         heldout = heldout[lengths[heldout] >= min_tokens]
-    return Selection(train_parts, heldout, corpus.num_docs)
+    return Selection(train_parts, heldout, corpus.num_docs, all_train)
 
 
 def _need_some(ids: np.ndarray, lengths: np.ndarray, min_tokens: int, side: str, where: str = "",
