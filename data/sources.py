@@ -143,7 +143,8 @@ def _quiet_datasets():
 class FilesSource(Source):
     """Local text / jsonl / parquet files, read with the ``datasets`` packaged builders."""
 
-    def __init__(self, kind: str, path: str, text_field: str, streaming: bool, cache_dir: str):
+    def __init__(self, kind: str, path: str, text_field: str, streaming: bool, cache_dir: str,
+                 field: str = "data.path"):
         self.kind, self.text_field, self.streaming = kind, text_field, streaming
         self.cache_dir = os.path.join(cache_dir, "hf")
         if not path.strip():
@@ -157,7 +158,7 @@ class FilesSource(Source):
             else:
                 found = sorted(glob.glob(pattern, recursive=True))
             if not found:
-                raise DataError(f"data.path: no {kind} file matches {pattern!r}")
+                raise DataError(f"{field}: no {kind} file matches {pattern!r}")
             self.files += [f for f in found if os.path.isfile(f)]
         self.description = (f"{kind} file {self.files[0]}" if len(self.files) == 1
                             else f"{len(self.files)} {kind} files ({self.files[0]}, ...)")
@@ -309,15 +310,17 @@ def make_source(data_cfg) -> Source:
         return _single(data_cfg, data_cfg.path)
     if data_cfg.source == "stdlib" or data_cfg.path.strip():
         mixture.check_fields(data_cfg)  # says which
-    return MixtureSource([_single(data_cfg, e.path) for e in entries], [e.weight for e in entries])
+    return MixtureSource([_single(data_cfg, e.path, "data.mixture") for e in entries],
+                         [e.weight for e in entries])
 
 
-def _single(data_cfg, path: str) -> Source:
+def _single(data_cfg, path: str, field: str = "data.path") -> Source:
     kind = data_cfg.source
     if kind == "stdlib":
         return StdlibSource()
     if kind in ("text", "jsonl", "parquet"):
-        return FilesSource(kind, path, data_cfg.text_field, data_cfg.streaming, data_cfg.cache_dir)
+        return FilesSource(kind, path, data_cfg.text_field, data_cfg.streaming, data_cfg.cache_dir,
+                           field)
     if kind == "hf":
         return HFSource(path, data_cfg.hf_config, data_cfg.split, data_cfg.text_field,
                         data_cfg.streaming, data_cfg.cache_dir)
