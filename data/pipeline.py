@@ -182,7 +182,7 @@ class Pipeline:
         """One line on what the filter, upsampling and mixture did ("" when none is on)."""
         if not self.shapes_epoch:
             return ""
-        said = [f"data: {self.epoch_docs.size} documents per epoch "
+        said = [f"data: {self.epoch_docs.size} documents per epoch, repeats included "
                 f"({self.tokens_per_epoch} tokens)"]
         if self.min_doc_tokens:
             dropped = self.selection.documents - self.selection.kept
