@@ -70,6 +70,11 @@ def check_fields(d) -> None:
     if int(d.long_doc_upsample) > 1 and int(d.long_doc_tokens) == 0:
         raise DataError(f"data.long_doc_upsample={d.long_doc_upsample} needs data.long_doc_tokens > 0 "
                         f"(the token count from which a document is long)")
+    entries(d)
+
+
+def entries(d) -> list[Entry]:
+    """``data.mixture``'s entries, checked against ``data.source`` and ``data.path``."""
     if d.mixture.strip():
         if d.source == "stdlib":
             raise DataError("data.mixture needs data.source text, jsonl, parquet, hf or tfds "
@@ -77,7 +82,7 @@ def check_fields(d) -> None:
         if d.path.strip():
             raise DataError(f"data.path={d.path!r} and data.mixture are both set; the mixture's "
                             f"entries name the files: set --config.data.path=''")
-    parse(d.mixture)
+    return parse(d.mixture)
 
 
 @dataclass(frozen=True)

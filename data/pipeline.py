@@ -82,10 +82,27 @@ class Pipeline:
         self._perm = self.layout.perm(self.seq_len)
 
         self.source = sources.make_source(d)
+        self._read(d, int(config.model.vocab_size))
+        self._choose_documents(d)
+        reset = bool(d.reset_positions_at_doc)
+        self._train_rows = RowSource(
+            self.corpus, lambda epoch: packing.epoch_order(self.epoch_docs, self.shuffle_seed, epoch),
+            self.eos_id, self.seq_len, reset)
+        self._heldout_rows = RowSource(self.corpus, lambda _: self.heldout_ids, self.eos_id,
+                                       self.seq_len, reset)
+        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
+                    "documents": int(self.epoch_docs.size), "shuffle_seed": self.shuffle_seed,
+                    "data_plan": mixture.digest(self.epoch_docs)}
+        # States saved before the long-context options existed describe one plain pass.
+        plain = {"data_plan": mixture.digest(self.selection.unfiltered_train)}
+        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
+                                   int(d.prefetch), identity, defaults=plain)
+
+    def _read(self, d, vocab: int) -> None:
+        """The tokenizer and the tokenized corpus, one part per source, both cached."""
         max_docs = int(d.max_docs)
         key = f"{self.source.signature()}\0max_docs={max_docs}"
         docs = lambda: sources.documents(self.source, max_docs)  # noqa: E731
-        vocab = int(config.model.vocab_size)
         if d.tokenizer:
             self.tokenizer: Tokenizer = tok_lib.load(d.tokenizer, vocab)
             self.tokenizer_path = d.tokenizer
@@ -101,28 +118,17 @@ class Pipeline:
             d.cache_dir, key, self.fingerprint, self.tokenizer,
             lambda: [sources.documents(p, max_docs) for p in parts], [p.description for p in parts])
 
+    def _choose_documents(self, d) -> None:
+        """Held-out and training documents, and the epoch's documents (repeats included)."""
         self.min_doc_tokens = int(d.min_doc_tokens)
-        self.selection = selection.select(self.corpus, float(d.heldout_fraction),
-                                          self.min_doc_tokens, [p.description for p in parts])
+        self.selection = selection.select(self.corpus, float(d.heldout_fraction), self.min_doc_tokens,
+                                          [p.description for p in self.source.parts])
         self.train_ids, self.heldout_ids = self.selection.train, self.selection.heldout
         self.shuffle_seed = int(d.shuffle_seed)
         self.long_doc_tokens, self.long_doc_upsample = int(d.long_doc_tokens), int(d.long_doc_upsample)
         self.plan = mixture.plan(self.selection.train_parts, self.corpus.lengths, self.source.weights,
                                  self.long_doc_tokens, self.long_doc_upsample, self.shuffle_seed)
         self.epoch_docs = self.plan.documents
-        reset = bool(d.reset_positions_at_doc)
-        self._train_rows = RowSource(
-            self.corpus, lambda epoch: packing.epoch_order(self.epoch_docs, self.shuffle_seed, epoch),
-            self.eos_id, self.seq_len, reset)
-        self._heldout_rows = RowSource(self.corpus, lambda _: self.heldout_ids, self.eos_id,
-                                       self.seq_len, reset)
-        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
-                    "documents": int(self.epoch_docs.size), "shuffle_seed": self.shuffle_seed,
-                    "data_plan": mixture.digest(self.epoch_docs)}
-        # States saved before the long-context options existed describe one plain pass.
-        plain = {"data_plan": mixture.digest(self.selection.unfiltered_train)}
-        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
-                                   int(d.prefetch), identity, defaults=plain)
 
     @property
     def shapes_epoch(self) -> bool:

@@ -305,11 +305,9 @@ class MixtureSource(Source):
 def make_source(data_cfg) -> Source:
     """The source named by ``data_cfg.source`` (a mixture of them with ``data_cfg.mixture``);
     raises DataError naming the valid ones."""
-    entries = mixture.parse(data_cfg.mixture)
+    entries = mixture.entries(data_cfg)
     if not entries:
         return _single(data_cfg, data_cfg.path)
-    if data_cfg.source == "stdlib" or data_cfg.path.strip():
-        mixture.check_fields(data_cfg)  # says which
     return MixtureSource([_single(data_cfg, e.path, "data.mixture") for e in entries],
                          [e.weight for e in entries])
 

@@ -422,9 +422,11 @@ def test_a_mixture_keys_the_caches(tmp_path, rng, monkeypatch):
     (dict(mixture="{a}=1,{tmp}/nope*.jsonl=1"), "data.mixture: no jsonl file matches"),
     (dict(path="{a}", min_doc_tokens=100000), "data.min_doc_tokens=100000 leaves no training document: "
                                              "the longest of the"),
+    (dict(mixture="{a}=1,{tmp}/empty.jsonl=1"), "empty.jsonl: a data.mixture entry is empty"),
 ])
 def test_long_context_mistakes_are_one_line(tmp_path, rng, change, message):
     a = write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 8))
+    write_jsonl(tmp_path / "empty.jsonl", [""])
     change = {k: v.format(a=a, tmp=tmp_path) if isinstance(v, str) else v for k, v in change.items()}
     with pytest.raises(DataError) as e:
         make_pipeline(long_config(tmp_path, **change), make_mesh())

@@ -122,6 +122,22 @@ def test_signature_changes_when_a_file_changes(tmp_path):
     assert make_source(cfg).signature() != sig
 
 
+def test_mixture_reads_each_entry_in_order_with_max_docs_per_source(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS[:4]])
+    (tmp_path / "b").mkdir()
+    write_jsonl(tmp_path / "b" / "x.jsonl", [{"text": d} for d in DOCS[4:]])
+    cfg = data_cfg(tmp_path, source="jsonl", mixture=f"{tmp_path / 'b'}=1,{tmp_path / 'a.jsonl'}=3")
+    src = make_source(cfg)
+    assert src.weights == [1.0, 3.0] and len(src.parts) == 2
+    assert read(cfg) == DOCS[4:] + DOCS[:4]
+    assert read(cfg, max_docs=2) == DOCS[4:6] + DOCS[:2]  # at most 2 from each source
+    sig = src.signature()
+    assert make_source(data_cfg(tmp_path, source="jsonl", mixture=f"{tmp_path / 'b'}=5,"
+                                f"{tmp_path / 'a.jsonl'}=1")).signature() == sig  # weights: same files
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS[:3]])
+    assert make_source(cfg).signature() != sig
+
+
 # -- bad input --------------------------------------------------------------------------------
 def test_missing_file(tmp_path):
     with pytest.raises(DataError) as e:
