@@ -102,7 +102,7 @@ class Pipeline:
         """The tokenizer and the tokenized corpus, one part per source, both cached."""
         max_docs = int(d.max_docs)
         key = f"{self.source.signature()}\0max_docs={max_docs}"
-        docs = lambda: sources.documents(self.source, max_docs)  # noqa: E731
+        docs = lambda: sources.interleaved(self.source, max_docs)  # noqa: E731
         if d.tokenizer:
             self.tokenizer: Tokenizer = tok_lib.load(d.tokenizer, vocab)
             self.tokenizer_path = d.tokenizer

@@ -339,3 +339,16 @@ def documents(source: Source, max_docs: int = 0) -> Iterator[str]:
             n += 1
             if max_docs and n >= max_docs:
                 break
+
+
+def interleaved(source: Source, max_docs: int = 0) -> Iterator[str]:
+    """The documents of ``documents(source, max_docs)``, one part after another in turn: the
+    tokenizer reads a capped prefix of them, which then holds every source of a mixture."""
+    streams = [documents(part, max_docs) for part in source.parts]
+    while streams:
+        for stream in list(streams):
+            doc = next(stream, None)
+            if doc is None:
+                streams.remove(stream)
+            else:
+                yield doc

@@ -14,7 +14,7 @@ import pytest
 
 from configs import base
 from errors import DataError
-from data.sources import StdlibSource, documents, make_source
+from data.sources import StdlibSource, documents, interleaved, make_source
 
 # Real prose: module docstrings of the standard library.
 DOCS = [m.__doc__.strip() for m in (json, csv, difflib, argparse, heapq, bisect, fractions)]
@@ -131,6 +131,7 @@ def test_mixture_reads_each_entry_in_order_with_max_docs_per_source(tmp_path):
     assert src.weights == [1.0, 3.0] and len(src.parts) == 2
     assert read(cfg) == DOCS[4:] + DOCS[:4]
     assert read(cfg, max_docs=2) == DOCS[4:6] + DOCS[:2]  # at most 2 from each source
+    assert list(interleaved(src)) == [DOCS[4], DOCS[0], DOCS[5], DOCS[1], DOCS[6], DOCS[2], DOCS[3]]
     sig = src.signature()
     assert make_source(data_cfg(tmp_path, source="jsonl", mixture=f"{tmp_path / 'b'}=5,"
                                 f"{tmp_path / 'a.jsonl'}=1")).signature() == sig  # weights: same files
