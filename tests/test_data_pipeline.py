@@ -431,3 +431,17 @@ def test_long_context_mistakes_are_one_line(tmp_path, rng, change, message):
     with pytest.raises(DataError) as e:
         make_pipeline(long_config(tmp_path, **change), make_mesh())
     assert message.format(a=a) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_token_cache_from_before_parts_holds_one_part(tmp_path, rng):
+    from data import tokens
+    path = write_jsonl(tmp_path / "docs.jsonl", random_texts(rng, 6))
+    p = make_pipeline(long_config(tmp_path, path=path, prefetch=0), make_mesh())
+    meta_path = os.path.join(p.corpus_path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert meta["part_docs"] == [6]
+    del meta["part_docs"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    assert tokens.load(p.corpus_path).part_offsets.tolist() == [0, 6]
