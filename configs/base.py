@@ -83,7 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Drop documents with fewer tokens, from training and held-out alike (0 keeps all).
     d.min_doc_tokens = 0
     # Documents with at least long_doc_tokens tokens appear long_doc_upsample times per epoch,
-    # within their source's share (0 / 1: off).
+    # within their source's share (long_doc_tokens 0 or long_doc_upsample 1: off).
     d.long_doc_tokens = 0
     d.long_doc_upsample = 1
     # "PATH=WEIGHT,PATH=WEIGHT,...": sources of kind data.source (data.path stays ""), each
