@@ -14,6 +14,9 @@ from typing import Callable
 from errors import DataError
 
 _STOP_POLL_S = 0.1
+# What a mismatch of an identity key usually means, for the one-line error.
+_WHY = {"documents": "other documents per epoch: data source, filter, upsampling or mixture",
+        "data_plan": "another data.min_doc_tokens, data.long_doc_* or data.mixture, or other files"}
 
 
 class TrainIterator:
@@ -44,8 +47,9 @@ class TrainIterator:
                 raise DataError(f"data iterator state lacks {key!r}; it is not from this pipeline")
         for key, value in self._identity.items():
             if state[key] != value:
+                why = f" ({_WHY[key]})" if key in _WHY else ""
                 raise DataError(f"data iterator state does not match this pipeline: {key} is "
-                                f"{state[key]!r} in the checkpoint but {value!r} now")
+                                f"{state[key]!r} in the checkpoint but {value!r} now{why}")
         if state["rows_per_epoch"] != self._rows_per_epoch:
             raise DataError(f"data iterator state does not match this pipeline: rows_per_epoch is "
                             f"{state['rows_per_epoch']} in the checkpoint but "
