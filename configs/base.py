@@ -82,13 +82,28 @@ def get_config() -> ml_collections.ConfigDict:
     d.streaming = False  # text/jsonl/parquet/hf: stream instead of loading in memory
     d.tokenizer = ""  # path to a tokenizer.json; "" trains a byte-level BPE on the source (cached)
     d.cache_dir = ".cache/data"  # where trained tokenizers and token caches live
-    d.max_docs = 0  # read at most this many documents (0 = all)
+    d.max_docs = 0  # read at most this many documents (0 = all; with a mixture: from each source)
     d.seq_len = 2048  # tokens per row (global, before the sequence axis splits it)
     d.batch_size = 8  # rows per step, global (split over the data and fsdp axes)
     d.reset_positions_at_doc = True  # position ids restart at each packed document
     d.heldout_fraction = 0.02  # fraction of documents held out for evaluation, never trained on
     d.shuffle_seed = 0  # document order per epoch derives from this seed
     d.prefetch = 2  # batches built ahead in a background thread
+    # Long-context data (context extension, Fu et al. 2024; data/mixture.py, data/selection.py).
+    # Counts are the tokenizer's tokens of a document, before its EOS. The held-out split is
+    # drawn first, per source, so these options never move a document between the sides.
+    # Drop documents with fewer tokens, from training and held-out alike (0 keeps all).
+    d.min_doc_tokens = 0
+    # Documents with at least long_doc_tokens tokens appear long_doc_upsample times per epoch,
+    # within their source's share (long_doc_tokens 0 or long_doc_upsample 1: off).
+    d.long_doc_tokens = 0
+    d.long_doc_upsample = 1
+    # "PATH=WEIGHT,PATH=WEIGHT,...": sources of kind data.source (data.path stays ""), each
+    # PATH a file, glob or directory (no commas; the weight follows the last "="). A source gets
+    # WEIGHT/sum(weights) of each epoch's training tokens (after upsampling), repeated or
+    # subsampled by whole documents; the subset is drawn once from shuffle_seed, so every epoch
+    # holds the same documents. An epoch has the tokens of one pass over all sources. "" = off.
+    d.mixture = ""
 
     c.train = t = ml_collections.ConfigDict()
     t.steps = 1000  # optimizer steps

@@ -14,15 +14,20 @@ from typing import Callable
 from errors import DataError
 
 _STOP_POLL_S = 0.1
+# What a mismatch of an identity key usually means, for the one-line error.
+_WHY = {"documents": "other documents per epoch: data source, filter, upsampling or mixture",
+        "data_plan": "another data.min_doc_tokens, data.long_doc_* or data.mixture, or other files"}
 
 
 class TrainIterator:
     def __init__(self, build: Callable[[int], dict], batch_rows: int, rows_per_epoch: int,
-                 prefetch: int, identity: dict):
+                 prefetch: int, identity: dict, defaults: dict | None = None):
         """``build(g)`` makes the batch whose first global row is ``g``; ``identity`` holds the
-        ints/strings a saved state must match (tokenizer, seq_len, documents, shuffle seed)."""
+        ints/strings a saved state must match (tokenizer, seq_len, documents, shuffle seed);
+        ``defaults`` the values of identity keys that older states lack."""
         self._build, self._batch_rows, self._rows_per_epoch = build, batch_rows, rows_per_epoch
         self._prefetch, self._identity = max(0, int(prefetch)), dict(identity)
+        self._defaults = dict(defaults or {})
         self._row = 0
         self._thread = None
         self._queue: queue.Queue | None = None
@@ -36,13 +41,15 @@ class TrainIterator:
 
     def restore(self, state: dict) -> None:
         """Continue exactly where ``state`` (from ``state()``) was taken."""
+        state = {**self._defaults, **state}
         for key in ("epoch", "row", "rows_per_epoch", *self._identity):
             if key not in state:
                 raise DataError(f"data iterator state lacks {key!r}; it is not from this pipeline")
         for key, value in self._identity.items():
             if state[key] != value:
+                why = f" ({_WHY[key]})" if key in _WHY else ""
                 raise DataError(f"data iterator state does not match this pipeline: {key} is "
-                                f"{state[key]!r} in the checkpoint but {value!r} now")
+                                f"{state[key]!r} in the checkpoint but {value!r} now{why}")
         if state["rows_per_epoch"] != self._rows_per_epoch:
             raise DataError(f"data iterator state does not match this pipeline: rows_per_epoch is "
                             f"{state['rows_per_epoch']} in the checkpoint but "

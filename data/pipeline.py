@@ -1,7 +1,9 @@
 """The data pipeline the trainer calls: ``make_pipeline(config, mesh)``.
 
-source -> tokenizer (trained once, cached) -> tokenized corpus (cached) -> held-out split ->
-per-epoch shuffled packing -> layout permutation -> global arrays sharded on the mesh.
+source (or a mixture of sources) -> tokenizer (trained once, cached) -> tokenized corpus
+(cached) -> held-out split and length filter -> the epoch's documents (mixture weights, long
+documents upsampled) -> per-epoch shuffled packing -> layout permutation -> global arrays
+sharded on the mesh.
 
 Batches are dicts of global ``jax.Array``s ``[B, L]`` in layout order, sharded
 ``P(("data", "fsdp"), "sequence")``: ``tokens``, ``labels`` (int32), ``positions`` (int32 true
@@ -16,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
-from data import batching, packing, sources, split, tokenizer as tok_lib, tokens
+from data import batching, mixture, packing, selection, sources, tokenizer as tok_lib, tokens
 from data.batching import from_layout, to_layout  # noqa: F401  (part of the public API)
 from data.iterator import TrainIterator
 from errors import DataError
@@ -80,9 +82,27 @@ class Pipeline:
         self._perm = self.layout.perm(self.seq_len)
 
         self.source = sources.make_source(d)
-        key = f"{self.source.signature()}\0max_docs={int(d.max_docs)}"
-        docs = lambda: sources.documents(self.source, int(d.max_docs))  # noqa: E731
-        vocab = int(config.model.vocab_size)
+        self._read(d, int(config.model.vocab_size))
+        self._choose_documents(d)
+        reset = bool(d.reset_positions_at_doc)
+        self._train_rows = RowSource(
+            self.corpus, lambda epoch: packing.epoch_order(self.epoch_docs, self.shuffle_seed, epoch),
+            self.eos_id, self.seq_len, reset)
+        self._heldout_rows = RowSource(self.corpus, lambda _: self.heldout_ids, self.eos_id,
+                                       self.seq_len, reset)
+        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
+                    "documents": int(self.epoch_docs.size), "shuffle_seed": self.shuffle_seed,
+                    "data_plan": mixture.digest(self.epoch_docs)}
+        # States saved before the long-context options existed describe one plain pass.
+        plain = {"data_plan": mixture.digest(self.selection.unfiltered_train)}
+        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
+                                   int(d.prefetch), identity, defaults=plain)
+
+    def _read(self, d, vocab: int) -> None:
+        """The tokenizer and the tokenized corpus, one part per source, both cached."""
+        max_docs = int(d.max_docs)
+        key = f"{self.source.signature()}\0max_docs={max_docs}"
+        docs = lambda: sources.interleaved(self.source, max_docs)  # noqa: E731
         if d.tokenizer:
             self.tokenizer: Tokenizer = tok_lib.load(d.tokenizer, vocab)
             self.tokenizer_path = d.tokenizer
@@ -93,22 +113,28 @@ class Pipeline:
         # The model's embedding size; a tokenizer with fewer entries leaves some rows unused.
         self.vocab_size = vocab
         self.eos_id = tok_lib.eos_id(self.tokenizer)
+        parts = self.source.parts
         self.corpus, self.corpus_path = tokens.cached_corpus(
-            d.cache_dir, key, self.fingerprint, self.tokenizer, docs, self.source.description)
+            d.cache_dir, key, self.fingerprint, self.tokenizer,
+            lambda: [sources.documents(p, max_docs) for p in parts], [p.description for p in parts])
 
-        self.train_ids, self.heldout_ids = split.heldout_split(self.corpus.num_docs,
-                                                               float(d.heldout_fraction))
+    def _choose_documents(self, d) -> None:
+        """Held-out and training documents, and the epoch's documents (repeats included)."""
+        self.min_doc_tokens = int(d.min_doc_tokens)
+        self.selection = selection.select(self.corpus, float(d.heldout_fraction), self.min_doc_tokens,
+                                          [p.description for p in self.source.parts])
+        self.train_ids, self.heldout_ids = self.selection.train, self.selection.heldout
         self.shuffle_seed = int(d.shuffle_seed)
-        reset = bool(d.reset_positions_at_doc)
-        self._train_rows = RowSource(
-            self.corpus, lambda epoch: packing.epoch_order(self.train_ids, self.shuffle_seed, epoch),
-            self.eos_id, self.seq_len, reset)
-        self._heldout_rows = RowSource(self.corpus, lambda _: self.heldout_ids, self.eos_id,
-                                       self.seq_len, reset)
-        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
-                    "documents": int(self.train_ids.size), "shuffle_seed": self.shuffle_seed}
-        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
-                                   int(d.prefetch), identity)
+        self.long_doc_tokens, self.long_doc_upsample = int(d.long_doc_tokens), int(d.long_doc_upsample)
+        self.plan = mixture.plan(self.selection.train_parts, self.corpus.lengths, self.source.weights,
+                                 self.long_doc_tokens, self.long_doc_upsample, self.shuffle_seed)
+        self.epoch_docs = self.plan.documents
+
+    @property
+    def shapes_epoch(self) -> bool:
+        """Whether the filter, upsampling or a mixture make the epoch other than one plain pass."""
+        return bool(self.min_doc_tokens or self.source.weights is not None
+                    or (self.long_doc_tokens and self.long_doc_upsample > 1))
 
     # -- batches -------------------------------------------------------------------------
     def host_batch(self, first_row: int, heldout: bool = False, natural: bool = False) -> dict:
@@ -149,7 +175,7 @@ class Pipeline:
 
     @property
     def tokens_per_epoch(self) -> int:
-        return int(self.corpus.lengths[self.train_ids].sum() + self.train_ids.size)
+        return int(self.corpus.lengths[self.epoch_docs].sum() + self.epoch_docs.size)
 
     def describe(self) -> str:
         return (f"data: {self.source.description}: {self.corpus.num_docs} documents "
@@ -157,6 +183,27 @@ class Pipeline:
                 f"{self.tokens_per_epoch} training tokens per epoch, tokenizer {self.fingerprint} "
                 f"({self.tokenizer.get_vocab_size()} tokens), layout {self.layout.name} "
                 f"over {self.layout.num_shards} shards")
+
+    def plan_line(self) -> str:
+        """One line on what the filter, upsampling and mixture did ("" when none is on)."""
+        if not self.shapes_epoch:
+            return ""
+        said = [f"data: {self.epoch_docs.size} documents per epoch, repeats included "
+                f"({self.tokens_per_epoch} tokens)"]
+        if self.min_doc_tokens:
+            dropped = self.selection.documents - self.selection.kept
+            said.append(f"min_doc_tokens={self.min_doc_tokens} kept {self.selection.kept} of "
+                        f"{self.selection.documents} documents ({dropped} dropped, training and "
+                        f"held-out alike)")
+        if self.plan.upsampled:
+            said.append(f"{self.plan.upsampled} training documents of >= {self.long_doc_tokens} "
+                        f"tokens x{self.long_doc_upsample}")
+        if self.source.weights is not None:
+            said.append("per source: " + ", ".join(
+                f"{p.description} {s.tokens} tokens = {s.tokens / self.tokens_per_epoch:.1%} "
+                f"(weight {s.target:.1%}, x{s.repeat:.2f} its {s.documents} documents)"
+                for p, s in zip(self.source.parts, self.plan.shares)))
+        return "; ".join(said)
 
 
 def _check_shapes(seq_len: int, batch_size: int, layout: Layout, mesh: Mesh) -> None:
@@ -180,6 +227,7 @@ def _check_data_fields(d) -> None:
         raise DataError(f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)")
     if int(d.prefetch) < 0:
         raise DataError(f"data.prefetch={d.prefetch} must be >= 0 (0 builds batches inline)")
+    mixture.check_fields(d)
 
 
 def make_pipeline(config, mesh: Mesh) -> Pipeline:

@@ -11,6 +11,9 @@ second run with unchanged inputs never reads them again.
   directory of data files), through the same ``datasets`` calls.
 - ``tfds``: a TFDS builder name (``data.path``) prepared under ``data.data_dir``; optional
   extra (requirements-tfds.txt).
+
+With ``data.mixture`` set, the source is a ``MixtureSource``: one source of kind
+``data.source`` per entry (its PATH in place of ``data.path``), read one after the other.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import sys
 import sysconfig
 from typing import Iterator
 
+from data import mixture
 from errors import DataError
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
@@ -63,6 +67,12 @@ def _files_under(root: str) -> list[str]:
 class Source:
     kind = ""
     description = ""
+    weights = None  # a mixture's relative token shares, one per part
+
+    @property
+    def parts(self) -> list["Source"]:
+        """The sources read one after the other (each its own part of the corpus)."""
+        return [self]
 
     def signature(self) -> str:
         raise NotImplementedError
@@ -133,7 +143,8 @@ def _quiet_datasets():
 class FilesSource(Source):
     """Local text / jsonl / parquet files, read with the ``datasets`` packaged builders."""
 
-    def __init__(self, kind: str, path: str, text_field: str, streaming: bool, cache_dir: str):
+    def __init__(self, kind: str, path: str, text_field: str, streaming: bool, cache_dir: str,
+                 field: str = "data.path"):
         self.kind, self.text_field, self.streaming = kind, text_field, streaming
         self.cache_dir = os.path.join(cache_dir, "hf")
         if not path.strip():
@@ -147,7 +158,7 @@ class FilesSource(Source):
             else:
                 found = sorted(glob.glob(pattern, recursive=True))
             if not found:
-                raise DataError(f"data.path: no {kind} file matches {pattern!r}")
+                raise DataError(f"{field}: no {kind} file matches {pattern!r}")
             self.files += [f for f in found if os.path.isfile(f)]
         self.description = (f"{kind} file {self.files[0]}" if len(self.files) == 1
                             else f"{len(self.files)} {kind} files ({self.files[0]}, ...)")
@@ -271,29 +282,73 @@ class TfdsSource(Source):
             yield value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
+class MixtureSource(Source):
+    """The entries of ``data.mixture``, in order; the signature changes when any part does."""
+    kind = "mixture"
+
+    def __init__(self, parts: list[Source], weights: list[float]):
+        self._parts, self.weights = parts, weights
+        self.description = f"a mixture of {len(parts)} sources ({parts[0].description}, ...)"
+
+    @property
+    def parts(self) -> list[Source]:
+        return list(self._parts)
+
+    def signature(self) -> str:
+        return "mixture:" + "\0".join(p.signature() for p in self._parts)
+
+    def documents(self) -> Iterator[str]:
+        for part in self._parts:
+            yield from part.documents()
+
+
 def make_source(data_cfg) -> Source:
-    """The source named by ``data_cfg.source``; raises DataError naming the valid ones."""
+    """The source named by ``data_cfg.source`` (a mixture of them with ``data_cfg.mixture``);
+    raises DataError naming the valid ones."""
+    entries = mixture.entries(data_cfg)
+    if not entries:
+        return _single(data_cfg, data_cfg.path)
+    return MixtureSource([_single(data_cfg, e.path, "data.mixture") for e in entries],
+                         [e.weight for e in entries])
+
+
+def _single(data_cfg, path: str, field: str = "data.path") -> Source:
     kind = data_cfg.source
     if kind == "stdlib":
         return StdlibSource()
     if kind in ("text", "jsonl", "parquet"):
-        return FilesSource(kind, data_cfg.path, data_cfg.text_field, data_cfg.streaming,
-                           data_cfg.cache_dir)
+        return FilesSource(kind, path, data_cfg.text_field, data_cfg.streaming, data_cfg.cache_dir,
+                           field)
     if kind == "hf":
-        return HFSource(data_cfg.path, data_cfg.hf_config, data_cfg.split, data_cfg.text_field,
+        return HFSource(path, data_cfg.hf_config, data_cfg.split, data_cfg.text_field,
                         data_cfg.streaming, data_cfg.cache_dir)
     if kind == "tfds":
-        return TfdsSource(data_cfg.path, data_cfg.data_dir, data_cfg.split, data_cfg.text_field)
+        return TfdsSource(path, data_cfg.data_dir, data_cfg.split, data_cfg.text_field)
     raise DataError(f"data.source {kind!r} is not a source; valid: {', '.join(SOURCES)}")
 
 
 def documents(source: Source, max_docs: int = 0) -> Iterator[str]:
-    """Non-empty documents of ``source`` in order, at most ``max_docs`` (0 = all)."""
-    n = 0
-    for doc in source.documents():
-        if not doc:
-            continue
-        yield doc
-        n += 1
-        if max_docs and n >= max_docs:
-            return
+    """Non-empty documents of ``source`` in order, at most ``max_docs`` (0 = all) from each of
+    its parts (each source of a mixture)."""
+    for part in source.parts:
+        n = 0
+        for doc in part.documents():
+            if not doc:
+                continue
+            yield doc
+            n += 1
+            if max_docs and n >= max_docs:
+                break
+
+
+def interleaved(source: Source, max_docs: int = 0) -> Iterator[str]:
+    """The documents of ``documents(source, max_docs)``, one part after another in turn: the
+    tokenizer reads a capped prefix of them, which then holds every source of a mixture."""
+    streams = [documents(part, max_docs) for part in source.parts]
+    while streams:
+        for stream in list(streams):
+            doc = next(stream, None)
+            if doc is None:
+                streams.remove(stream)
+            else:
+                yield doc

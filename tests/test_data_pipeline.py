@@ -266,3 +266,182 @@ def test_empty_corpus_and_too_small_vocab(tmp_path):
     c.model.vocab_size = 200
     with pytest.raises(DataError, match=r"^model.vocab_size=200 is too small"):
         make_pipeline(c, make_mesh())
+
+
+# -- long-context data: length filter, upsampling, mixture (random documents) -----------------
+def random_texts(rng, n, long_every=3):
+    """``n`` documents of random words; every ``long_every``-th or so is long."""
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(2, 8)))
+             for _ in range(150)]
+    sizes = np.where(rng.random(n) < 1 / long_every, rng.integers(150, 400, n), rng.integers(3, 40, n))
+    return [" ".join(rng.choice(words, size=s)) for s in sizes]
+
+
+def write_jsonl(path, texts):
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    return str(path)
+
+
+def long_config(tmp_path, **data):
+    c = config(str(tmp_path / "cache"), source="jsonl", max_docs=0, seq_len=128, **data)
+    c.model.vocab_size = 300
+    return c
+
+
+def epoch_stream(p):
+    """Epoch 0's valid input tokens, read through host_batch, and the stream they must be."""
+    R = p.rows_per_epoch
+    rows = [p.host_batch(r, natural=True) for r in range(0, R, p.batch_size)]
+    rows = {k: np.concatenate([r[k] for r in rows])[:R] for k in ("tokens", "loss_mask")}
+    order = epoch_order(p.epoch_docs, p.shuffle_seed, 0)
+    want = np.concatenate([np.concatenate([[p.eos_id], p.corpus.doc(i)]) for i in order])
+    return rows["tokens"][rows["loss_mask"] > 0], want, order
+
+
+def test_min_doc_tokens_and_upsampling_over_a_real_epoch(tmp_path, rng):
+    texts = random_texts(rng, 40)
+    path = write_jsonl(tmp_path / "docs.jsonl", texts)
+    plain = make_pipeline(long_config(tmp_path, path=path), make_mesh())
+    # Token counts computed here, apart from the corpus cache: the tokenizer's own encoding.
+    counts = np.array([len(plain.tokenizer.encode(t, add_special_tokens=False).ids) for t in texts])
+    np.testing.assert_array_equal(plain.corpus.lengths, counts)
+    # Drops about a third, keeping a held-out document.
+    m = min(int(np.sort(counts)[len(counts) // 3]), int(counts[plain.heldout_ids].max()))
+    long_tokens, k = int(np.sort(counts)[-8]), int(rng.integers(2, 4))
+    p = make_pipeline(long_config(tmp_path, path=path, min_doc_tokens=m, long_doc_tokens=long_tokens,
+                                  long_doc_upsample=k), make_mesh())
+    assert p.fingerprint == plain.fingerprint and p.corpus_path == plain.corpus_path  # no re-tokenizing
+    kept = np.flatnonzero(counts >= m)
+    np.testing.assert_array_equal(np.union1d(p.train_ids, p.heldout_ids), kept)
+    assert np.isin(p.heldout_ids, plain.heldout_ids).all()  # the split does not move
+    np.testing.assert_array_equal(p.train_ids, plain.train_ids[counts[plain.train_ids] >= m])
+    got, want, order = epoch_stream(p)
+    np.testing.assert_array_equal(got, want)
+    times = np.bincount(order, minlength=counts.size)
+    np.testing.assert_array_equal(times[p.train_ids], np.where(counts[p.train_ids] >= long_tokens, k, 1))
+    assert times[p.heldout_ids].sum() == 0 and got.size == p.tokens_per_epoch
+    line = p.plan_line()
+    assert f"min_doc_tokens={m} kept {kept.size} of 40 documents ({40 - kept.size} dropped" in line
+    assert f"training documents of >= {long_tokens} tokens x{k}" in line and "\n" not in line
+    assert plain.plan_line() == ""
+    plain.close()
+    p.close()
+
+
+def test_mixture_shares_over_a_real_epoch(tmp_path, rng):
+    a = write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 30))
+    b = write_jsonl(tmp_path / "b.jsonl", random_texts(rng, 12))
+    weights = [float(rng.uniform(0.5, 1.0)), float(rng.uniform(1.0, 3.0))]
+    p = make_pipeline(long_config(tmp_path, mixture=f"{a}={weights[0]},{b}={weights[1]}",
+                                  shuffle_seed=int(rng.integers(100))), make_mesh())
+    assert p.corpus.num_parts == 2 and p.corpus.part_offsets.tolist() == [0, 30, 42]
+    got, want, order = epoch_stream(p)
+    np.testing.assert_array_equal(got, want)
+    lengths = p.corpus.lengths
+    per_source = np.array([(lengths[order[order < 30]] + 1).sum(), (lengths[order[order >= 30]] + 1).sum()])
+    # Whole documents: each source misses its share by at most half its longest document.
+    tolerance = (lengths.max() + 1) / per_source.sum()
+    np.testing.assert_allclose(per_source / per_source.sum(), np.array(weights) / sum(weights),
+                               atol=tolerance)
+    assert np.isin(order, p.heldout_ids).sum() == 0
+    assert 0 < np.isin(p.heldout_ids, np.arange(30)).sum() < p.heldout_ids.size  # held out of both
+    line = p.plan_line()
+    assert f"per source: jsonl file {a} {per_source[0]} tokens" in line and f"jsonl file {b}" in line
+    p.close()
+
+
+def test_resume_is_exact_with_the_long_context_options(tmp_path, rng):
+    a = write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 20))
+    b = write_jsonl(tmp_path / "b.jsonl", random_texts(rng, 20))
+    mesh = make_mesh()
+    options = dict(mixture=f"{a}=1,{b}=2.5", min_doc_tokens=20, long_doc_tokens=200, long_doc_upsample=3,
+                   heldout_fraction=0.3)  # many held-out documents: some are long enough
+    first = make_pipeline(long_config(tmp_path, **options), mesh)
+    for _ in range(5):
+        next(first.train)
+    state = first.train.state()
+    assert json.loads(json.dumps(state)) == state and state["data_plan"]
+    expected = [numpy_batch(next(first.train)) for _ in range(3)]
+    first.close()
+    again = make_pipeline(long_config(tmp_path, **options), mesh)
+    next(again.train)
+    again.train.restore(state)
+    for e in expected:
+        g = numpy_batch(next(again.train))
+        for key in KEYS:
+            np.testing.assert_array_equal(g[key], e[key])
+    again.close()
+    other = make_pipeline(long_config(tmp_path, **dict(options, mixture=f"{a}=2,{b}=1")), mesh)
+    with pytest.raises(DataError, match=r"^data iterator state does not match this pipeline: "
+                                        r"(documents|data_plan) is .* now \(.*mixture.*\)$"):
+        other.train.restore(state)
+    other.close()
+
+
+def test_a_state_from_before_the_options_restores_on_the_plain_pass(tmp_path, rng):
+    path = write_jsonl(tmp_path / "docs.jsonl", random_texts(rng, 20))
+    plain = make_pipeline(long_config(tmp_path, path=path, prefetch=0), make_mesh())
+    next(plain.train)
+    old = {k: v for k, v in plain.train.state().items() if k != "data_plan"}
+    # A filter that drops nothing leaves the same data: the old state fits.
+    same = make_pipeline(long_config(tmp_path, path=path, prefetch=0, min_doc_tokens=1), make_mesh())
+    same.train.restore(old)
+    np.testing.assert_array_equal(np.asarray(next(same.train)["tokens"]),
+                                  np.asarray(next(plain.train)["tokens"]))
+    longest = int(plain.corpus.lengths[plain.train_ids].max())
+    upsampled = make_pipeline(long_config(tmp_path, path=path, prefetch=0, long_doc_tokens=longest,
+                                          long_doc_upsample=2), make_mesh())
+    with pytest.raises(DataError, match="does not match this pipeline"):
+        upsampled.train.restore(old)
+
+
+def test_a_mixture_keys_the_caches(tmp_path, rng, monkeypatch):
+    a = write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 10))
+    b = write_jsonl(tmp_path / "b.jsonl", random_texts(rng, 10))
+    alone = make_pipeline(long_config(tmp_path, path=a, prefetch=0), make_mesh())
+    mixed = make_pipeline(long_config(tmp_path, mixture=f"{a}=1,{b}=1", prefetch=0), make_mesh())
+    assert mixed.corpus_path != alone.corpus_path and mixed.tokenizer_path != alone.tokenizer_path
+    import data.sources as sources
+    with monkeypatch.context() as m:  # other weights: the same tokenizer and tokens, nothing read
+        m.setattr(sources, "documents", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
+        reweighted = make_pipeline(long_config(tmp_path, mixture=f"{a}=3,{b}=1", prefetch=0), make_mesh())
+    assert (reweighted.corpus_path, reweighted.fingerprint) == (mixed.corpus_path, mixed.fingerprint)
+    write_jsonl(b, random_texts(rng, 11))  # a changed part is a new corpus
+    changed = make_pipeline(long_config(tmp_path, mixture=f"{a}=1,{b}=1", prefetch=0), make_mesh())
+    assert changed.corpus_path != mixed.corpus_path and changed.corpus.num_docs == 21
+    swapped = make_pipeline(long_config(tmp_path, mixture=f"{b}=1,{a}=1", prefetch=0), make_mesh())
+    assert swapped.corpus.part_offsets.tolist() == [0, 11, 21]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(min_doc_tokens=-2), "data.min_doc_tokens=-2 must be >= 0"),
+    (dict(mixture="{a}=-1"), "weight '-1' must be a finite number > 0"),
+    (dict(mixture="{a}"), "is not PATH=WEIGHT"),
+    (dict(mixture="{a}=1", path="{a}"), "data.path='{a}' and data.mixture are both set"),
+    (dict(mixture="{a}=1,{tmp}/nope*.jsonl=1"), "data.mixture: no jsonl file matches"),
+    (dict(path="{a}", min_doc_tokens=100000), "data.min_doc_tokens=100000 leaves no training document: "
+                                             "the longest of the"),
+    (dict(mixture="{a}=1,{tmp}/empty.jsonl=1"), "empty.jsonl: a data.mixture entry is empty"),
+])
+def test_long_context_mistakes_are_one_line(tmp_path, rng, change, message):
+    a = write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 8))
+    write_jsonl(tmp_path / "empty.jsonl", [""])
+    change = {k: v.format(a=a, tmp=tmp_path) if isinstance(v, str) else v for k, v in change.items()}
+    with pytest.raises(DataError) as e:
+        make_pipeline(long_config(tmp_path, **change), make_mesh())
+    assert message.format(a=a) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_token_cache_from_before_parts_holds_one_part(tmp_path, rng):
+    from data import tokens
+    path = write_jsonl(tmp_path / "docs.jsonl", random_texts(rng, 6))
+    p = make_pipeline(long_config(tmp_path, path=path, prefetch=0), make_mesh())
+    meta_path = os.path.join(p.corpus_path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert meta["part_docs"] == [6]
+    del meta["part_docs"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    assert tokens.load(p.corpus_path).part_offsets.tolist() == [0, 6]

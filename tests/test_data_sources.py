@@ -14,7 +14,7 @@ import pytest
 
 from configs import base
 from errors import DataError
-from data.sources import StdlibSource, documents, make_source
+from data.sources import StdlibSource, documents, interleaved, make_source
 
 # Real prose: module docstrings of the standard library.
 DOCS = [m.__doc__.strip() for m in (json, csv, difflib, argparse, heapq, bisect, fractions)]
@@ -119,6 +119,23 @@ def test_signature_changes_when_a_file_changes(tmp_path):
     sig = make_source(cfg).signature()
     assert make_source(cfg).signature() == sig
     write_jsonl(path, [{"text": d} for d in DOCS[::-1]] + [{"text": "one more"}])
+    assert make_source(cfg).signature() != sig
+
+
+def test_mixture_reads_each_entry_in_order_with_max_docs_per_source(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS[:4]])
+    (tmp_path / "b").mkdir()
+    write_jsonl(tmp_path / "b" / "x.jsonl", [{"text": d} for d in DOCS[4:]])
+    cfg = data_cfg(tmp_path, source="jsonl", mixture=f"{tmp_path / 'b'}=1,{tmp_path / 'a.jsonl'}=3")
+    src = make_source(cfg)
+    assert src.weights == [1.0, 3.0] and len(src.parts) == 2
+    assert read(cfg) == DOCS[4:] + DOCS[:4]
+    assert read(cfg, max_docs=2) == DOCS[4:6] + DOCS[:2]  # at most 2 from each source
+    assert list(interleaved(src)) == [DOCS[4], DOCS[0], DOCS[5], DOCS[1], DOCS[6], DOCS[2], DOCS[3]]
+    sig = src.signature()
+    assert make_source(data_cfg(tmp_path, source="jsonl", mixture=f"{tmp_path / 'b'}=5,"
+                                f"{tmp_path / 'a.jsonl'}=1")).signature() == sig  # weights: same files
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS[:3]])
     assert make_source(cfg).signature() != sig
 
 

@@ -179,6 +179,18 @@ def test_changed_tokenizer_stops_with_one_line(reference, tmp_path):
     assert "\n" not in str(e.value) and f"checkpoint step {tr.STEPS}" in str(e.value)
 
 
+def test_other_long_context_data_stops_with_one_line(reference):
+    """The iterator's position only means something on the same epochs: a checkpoint of a plain
+    run does not resume with long documents upsampled (data_plan in the saved state)."""
+    from training.loop import run
+    before = (reference / "config.json").read_text()
+    with pytest.raises(CheckpointError, match="data iterator state does not match this pipeline: "
+                                              "documents is") as e:
+        run(tr.config(**{"data.long_doc_tokens": 1, "data.long_doc_upsample": 2}), reference)
+    assert "\n" not in str(e.value) and "restore_weights_only=True" in str(e.value)
+    assert (reference / "config.json").read_text() == before
+
+
 def test_restore_from_weights_only(reference, tmp_path):
     workdir = tmp_path / "finetune"
     out = tr.train(workdir, **{"checkpoint.restore_from": reference,

@@ -57,6 +57,11 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"attention__impl": "usp", "attention__ulysses": 0}, 8, "attention.ulysses=0: usp ulysses degree 0 must divide"),
     ({"attention__impl": "usp", "mesh__tensor": 2, "mesh__fsdp": 1}, 8, "attention.ulysses=2: usp ulysses degree 2 must divide the sequence axis (4) and both query heads (2) and kv heads (1) per tensor shard; valid: 1"),
     ({"attention__impl": "allgather", "attention__block_kv": 48}, 8, "attention.block_kv=48 does not divide the per-device chunk of 128 tokens"),
+    ({"data__min_doc_tokens": -1}, 8, "data.min_doc_tokens=-1 must be >= 0 (0 keeps every document)"),
+    ({"data__long_doc_upsample": 0, "data__long_doc_tokens": 512}, 8, "data.long_doc_upsample=0 must be >= 1"),
+    ({"data__long_doc_upsample": 4}, 8, "data.long_doc_upsample=4 needs data.long_doc_tokens > 0"),
+    ({"data__source": "jsonl", "data__mixture": "a.jsonl=2,b.jsonl=-1"}, 8, "data.mixture entry 'b.jsonl=-1': weight '-1' must be a finite number > 0"),
+    ({"data__mixture": "a.txt=1"}, 8, "data.mixture needs data.source text, jsonl, parquet, hf or tfds"),
 ])
 def test_bad_value_gives_one_clear_line(overrides, devices, message):
     with pytest.raises(ConfigError) as e:
@@ -87,6 +92,7 @@ def test_auto_kernel_tiles_follow_the_platform():
 @pytest.mark.parametrize("flag,message", [
     ("--config.attention.layout=spiral", "error: attention.layout='spiral' is not one of"),
     ("--config.train.steps=-1", "error: train.steps=-1 must be >= 1"),
+    ("--config.data.mixture=books.jsonl:2", "error: data.mixture needs data.source text, jsonl"),
 ])
 def test_cli_prints_one_line_and_no_traceback(tmp_path, flag, message):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")

@@ -1,7 +1,8 @@
 """Config validation before anything compiles: each mistake is one line naming field and fix."""
 from __future__ import annotations
 
-from errors import ConfigError, LayoutError, MeshError
+from data.mixture import check_fields as check_long_context_data
+from errors import ConfigError, DataError, LayoutError, MeshError
 from model import rope
 from model.decoder import DTYPES, REMAT
 from parallel import kernels
@@ -97,6 +98,10 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
                 raise ConfigError(f"{e} [kernel {kernel}]") from None
     _need(0 < d.heldout_fraction < 1, f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
     _need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
+    try:
+        check_long_context_data(d)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
     _need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _need(t.lr > 0, f"train.lr={t.lr} must be > 0")
