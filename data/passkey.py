@@ -29,7 +29,7 @@ DIGITS = 5
 class Example:
     tokens: np.ndarray  # int32 [length]: prefix, filler with the needle inside, question, answer
     key: str
-    needle_start: int  # token index where the needle's tokens begin
+    needle_start: int  # token index where the needle's tokens begin (after the prefix)
     needle_len: int
     answer_start: int  # token index of the answer's first token; the row ends with the answer
     depth: float
@@ -45,8 +45,11 @@ def _ids(tokenizer, text: str) -> list[int]:
 
 
 def prefix_ids(tokenizer) -> list[int]:
-    """What the tokenizer puts before any text (a LLaMA tokenizer's BOS; nothing for ours)."""
-    return list(tokenizer.encode("").ids)
+    """What starts a document: the tokenizer's own prefix (a LLaMA tokenizer's BOS), else the
+    end-of-text token that packing puts before every document a run trains on (data/packing.py):
+    without it the first tokens of a row are a context no trained document ever had."""
+    from data.tokenizer import eos_id
+    return list(tokenizer.encode("").ids) or [eos_id(tokenizer)]
 
 
 def fixed_tokens(tokenizer, key: str) -> int:

@@ -11,7 +11,8 @@ is correct iff every answer token is the model's argmax at the token before it. 
 the mean next-token loss over the prompt (the answer excluded) at each length.
 
 Rows run through the run's own mesh, attention and layout when this machine has the devices
-(training/eval_setup.py; else one device, dense): each row is permuted into the layout's
+(training/eval_setup.py; else one device, dense; on a CPU the script simulates the run's
+devices, as train.py does, unless XLA_FLAGS sets a count): each row is permuted into the layout's
 order with its true positions, so a length must be one the layout can split (a multiple of
 the sequence axis, or of 2x it for zigzag, and of the attention tiles); other lengths stop
 with one line listing valid ones. Trials are rows of a batch: up to the run's
@@ -257,6 +258,18 @@ def heatmap(result: dict, path: pathlib.Path):
     plt.close(fig)
 
 
+def simulate_run_devices(run_dir: str, log) -> None:
+    """On a CPU, simulate the devices of the run's mesh as train.py does (before jax starts),
+    so that its ring and layout run here too; nothing when the run cannot be read (open_run
+    reports that) or XLA_FLAGS already sets a count."""
+    from parallel.host_devices import simulate_for_mesh
+    try:
+        mesh = json.loads((pathlib.Path(run_dir) / "config.json").read_text())["mesh"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    simulate_for_mesh({k: v for k, v in mesh.items() if isinstance(v, int)}, say=log)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from absl import logging as absl_logging
@@ -267,6 +280,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    simulate_run_devices(args.run, log)
     try:
         depths = parse_list(args.depths, float, "--depths")
         if not all(0.0 <= d <= 1.0 for d in depths):

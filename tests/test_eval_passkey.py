@@ -40,8 +40,10 @@ def test_prompts_have_the_requested_length_and_needle_depth(tokenizer, rng):
         text = tokenizer.decode(e.tokens.tolist())
         assert text.count("pass key is") == 2 and text.count(key) == 3
         question = len(tokenizer.encode(passkey.QUESTION, add_special_tokens=False).ids)
-        filler = e.answer_start - question - e.needle_len  # no prefix with this tokenizer
-        assert abs(e.needle_start - depth * filler) <= 0.5 + 1e-9
+        prefix = len(passkey.prefix_ids(tokenizer))
+        assert prefix == 1 and e.tokens[0] == tokenizer.token_to_id("<|endoftext|>")
+        filler = e.answer_start - question - e.needle_len - prefix
+        assert abs(e.needle_start - prefix - depth * filler) <= 0.5 + 1e-9
         before = tokenizer.decode(e.tokens[:e.needle_start].tolist())
         assert "pass" not in before and not any(ch.isdigit() for ch in before)
 
