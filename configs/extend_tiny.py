@@ -8,11 +8,11 @@ on a CPU"), each command as run there:
   python scripts/make_passkey_corpus.py --out runs/passkey_short.jsonl --docs 6000 --min-sentences 1 --max-sentences 12
   python scripts/make_passkey_corpus.py --out runs/passkey_long.jsonl --docs 3000 --min-sentences 1 --max-sentences 90
   python train.py --config configs/tiny.py --workdir runs/passkey_short --config.data.source=jsonl --config.data.path=runs/passkey_short.jsonl --config.model.vocab_size=400 --config.model.num_kv_heads=4 --config.mesh.fsdp=1 --config.data.seq_len=128 --config.data.batch_size=16 --config.train.steps=1500 --config.train.lr=3e-3 --config.train.warmup_steps=30 --config.train.min_lr_ratio=1.0 --config.train.weight_decay=0.0 --config.train.eval_every=0 --config.checkpoint.every=500
-  python scripts/eval_passkey.py --run runs/passkey_short --lengths 128,256,512 --trials 20
+  python scripts/eval_passkey.py --run runs/passkey_short --lengths 128,256,512 --trials 50
   python train.py --config configs/extend_tiny.py --workdir runs/extend_theta100k
   python train.py --config configs/extend_tiny.py --workdir runs/extend_theta10k --config.model.rope_theta=10000
-  python scripts/eval_passkey.py --run runs/extend_theta100k --lengths 128,256,512 --trials 20
-  python scripts/eval_passkey.py --run runs/extend_theta10k --lengths 128,256,512 --trials 20
+  python scripts/eval_passkey.py --run runs/extend_theta100k --lengths 128,256,512 --trials 50
+  python scripts/eval_passkey.py --run runs/extend_theta10k --lengths 128,256,512 --trials 50
 
 The model fields below are the short run's (configs/tiny.py with vocab 400 and 4 KV heads);
 the RoPE base is not a shape field, so it may change at restore. The learning rate is far
