@@ -73,6 +73,22 @@ def length_problem(config, mesh, length: int) -> str | None:
     return None
 
 
+def nearby_valid(config, mesh, length: int, shortest: int, step: int, want: int = 2,
+                 tries: int = 4096) -> list[int]:
+    """Up to ``want`` valid lengths nearest to ``length`` on one side (``step`` < 0: below),
+    walking multiples of the layout's unit ``|step|`` (tile sizes may skip some of them)."""
+    unit = abs(step)
+    n = (length - 1) // unit * unit if step < 0 else (length // unit + 1) * unit
+    found = []
+    for _ in range(tries):
+        if len(found) == want or n < max(shortest, 1):
+            break
+        if length_problem(config, mesh, n) is None:
+            found.append(n)
+        n += step
+    return sorted(found)
+
+
 def check_lengths(config, mesh, lengths: list[int], shortest: int) -> None:
     """One line naming the first bad length and the valid lengths around it."""
     from errors import ConfigError
@@ -89,10 +105,8 @@ def check_lengths(config, mesh, lengths: list[int], shortest: int) -> None:
         shards = int(mesh.shape["sequence"])
         unit = {"contiguous": shards, "striped": shards * int(a.stripe),
                 "zigzag": 2 * shards}.get(a.layout, shards)
-        valid = [n for n in range(unit, 2 * max(length, shortest) + 64 * unit, unit)
-                 if n >= shortest and length_problem(config, mesh, n) is None]
-        below = [n for n in valid if n < length][-2:]
-        above = [n for n in valid if n > length][:2]
+        below = nearby_valid(config, mesh, length, shortest, -unit)
+        above = nearby_valid(config, mesh, length, shortest, unit)
         raise ConfigError(f"--lengths: {length} cannot run on {where}: {why}; valid lengths "
                           f"near it: {', '.join(map(str, below + above)) or 'none'}")
 

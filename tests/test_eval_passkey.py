@@ -170,5 +170,6 @@ def test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_no
     for _ in range(steps):
         state, _ = trainer.train_step(state, batch())
     trained = accuracy(state.params)
+    print(f"untrained {untrained}, trained {trained}")
     # 4 of 40 fresh keys right by chance has probability about 1e-15.
     assert untrained <= 0.05 and trained >= 0.1, (untrained, trained)
