@@ -34,25 +34,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def eval_setup(config, log):
-    """(config, mesh) to evaluate on: the run's when it fits this machine, else one device."""
-    import jax
-
-    from parallel.mesh import make_mesh
-    from errors import ConfigError
-    from training.validate import validate
-    try:
-        validate(config, jax.device_count())
-        return config, make_mesh(config.mesh)
-    except ConfigError as e:
-        log(f"the run's mesh does not fit {jax.device_count()} device(s) ({e}); evaluating on "
-            f"one device with dense attention, contiguous layout")
-    config = config.copy_and_resolve_references()
-    config.mesh.update(data=1, fsdp=1, sequence=1, tensor=1)
-    config.attention.update(impl="dense", layout="contiguous")
-    return config, make_mesh(config.mesh, jax.devices()[:1])
-
-
 def context_lengths(segment_ids_BL):
     """Tokens of the same document before each token, from natural-order segment ids."""
     import numpy as np
@@ -116,6 +97,7 @@ def evaluate(run, args, log) -> dict:
     import numpy as np
 
     from data.pipeline import from_layout, make_pipeline
+    from training.eval_setup import eval_setup
     from training.state import Trainer
     config, mesh = eval_setup(run.config, log)
     pipe = make_pipeline(config, mesh)

@@ -1,12 +1,23 @@
-"""Sample text from a trained run: the newest complete checkpoint's weights, the run's tokenizer.
+"""Continue a prompt with a trained run: the newest complete checkpoint's weights, the run's tokenizer.
 
     python scripts/generate.py --run runs/demo --prompt "def main(" [--max-new-tokens 200]
-        [--greedy | --temperature 0.8 --top-k 40] [--seed 0] [--step N] [--json out.json]
+        [--temperature 0.8 --top-k 40] [--seed 0] [--step N] [--json [FILE]]
+
+Greedy (the likeliest token every time) unless --temperature is given, which samples at that
+temperature among the --top-k likeliest tokens (--greedy is still accepted and wins).
+--json alone prints exactly one JSON object {"ids": [...], "text": "..."} of the generated
+tokens on stdout (everything else goes to stderr); --json FILE prints the text as usual and
+writes a fuller record (prompt, its tokens, settings) to FILE.
 
 Runs on one device with dense attention in the contiguous layout, whatever mesh and layout the
 run trained with: the parameters depend on neither. Each token recomputes the whole window (no
-KV cache) in a fixed buffer of the run's seq_len, so one compiled program serves every token;
-a window that fills up slides left by one token.
+KV cache) in a fixed buffer, so one compiled program serves every token. The buffer is the
+smallest multiple of 64 that holds the prompt and the new tokens, capped at the run's
+data.seq_len: a short prompt to an imported model trained at 128k tokens then costs a few
+hundred slots per token, not 128k, and at most the length the run trained at, past which
+its RoPE was never trained (a window that fills up slides left by one token). Slots past the
+current length n get position 0, so the largest position in the pass is n - 1, as it is for
+an unpadded prompt (a dynamic RoPE scaling reads it); causal masking by slot keeps them unseen.
 """
 from __future__ import annotations
 
@@ -24,21 +35,28 @@ def parse_args(argv=None):
     p.add_argument("--run", required=True, help="run directory (train.py --workdir)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sample at this temperature (default: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
-    p.add_argument("--greedy", action="store_true", help="always the likeliest token")
+    p.add_argument("--greedy", action="store_true",
+                   help="always the likeliest token (the default without --temperature)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-    p.add_argument("--json", default=None, help="also write prompt, tokens and text here")
-    return p.parse_args(argv)
+    p.add_argument("--json", nargs="?", const="-", default=None,
+                   help="alone: print only {ids, text} as JSON on stdout; with FILE: also "
+                        "write prompt, tokens and text there")
+    args = p.parse_args(argv)
+    args.greedy = args.greedy or args.temperature is None
+    return args
 
 
 def check_args(args):
     from errors import CheckpointError
     if args.max_new_tokens < 1:
         raise CheckpointError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if not args.greedy and args.temperature <= 0:
-        raise CheckpointError(f"--temperature={args.temperature} must be > 0 (or use --greedy)")
+    if args.temperature is not None and args.temperature <= 0:
+        raise CheckpointError(f"--temperature={args.temperature} must be > 0 (leave it out "
+                              f"for greedy decoding)")
     if args.top_k < 0:
         raise CheckpointError(f"--top-k={args.top_k} must be >= 0 (0 samples among all tokens)")
 
@@ -66,7 +84,7 @@ def make_step(graphdef, window: int, usable_vocab: int, greedy: bool, temperatur
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    positions = jnp.arange(window, dtype=jnp.int32)[None]
+    slots = jnp.arange(window, dtype=jnp.int32)
     segments = jnp.ones((1, window), jnp.int32)
 
     @jax.jit
@@ -74,6 +92,7 @@ def make_step(graphdef, window: int, usable_vocab: int, greedy: bool, temperatur
         full = n >= window
         buf = jnp.where(full, jnp.roll(buf, -1), buf)
         n = jnp.where(full, window - 1, n)
+        positions = jnp.where(slots < n, slots, 0)[None]
         logits = nnx.merge(graphdef, params)(buf[None], positions, segments)[0, n - 1]
         # Embedding rows past the tokenizer's vocabulary were never trained on: never pick them.
         logits = jnp.where(jnp.arange(logits.shape[-1]) < usable_vocab, logits, -jnp.inf)
@@ -91,14 +110,19 @@ def make_step(graphdef, window: int, usable_vocab: int, greedy: bool, temperatur
     return step
 
 
+def window_size(prompt_len: int, max_new_tokens: int, seq_len: int) -> int:
+    """The smallest multiple of 64 holding prompt and new tokens, at most the run's seq_len."""
+    return min(seq_len, -(-(prompt_len + max_new_tokens) // 64) * 64)
+
+
 def generate(run, params, graphdef, prompt: str, args) -> list[int]:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from data.tokenizer import eos_id
-    window = int(run.config.data.seq_len)
     ids = run.tokenizer.encode(prompt).ids
+    window = window_size(max(len(ids), 1), args.max_new_tokens, int(run.config.data.seq_len))
     if not ids:
         ids = [eos_id(run.tokenizer)]  # an empty prompt starts a new document
     ids = ids[-window:]
@@ -138,9 +162,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = run.tokenizer.decode(tokens)
-    print(args.prompt + text)
+    if args.json == "-":
+        print(json.dumps({"ids": tokens, "text": text}))
+    else:
+        print(args.prompt + text)
     print(f"{len(tokens)} tokens in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    if args.json:
+    if args.json and args.json != "-":
         with open(args.json, "w") as f:
             json.dump({"run": str(run.directory), "step": got.step, "prompt": args.prompt,
                        "prompt_tokens": run.tokenizer.encode(args.prompt).ids, "tokens": tokens,

@@ -122,3 +122,39 @@ def test_context_lengths_and_buckets_against_a_direct_count():
         if sel:
             want = sum(loss[b, i] for b, i in sel) / len(sel)
             assert abs(r["loss"] - want) <= 1e-9 * want
+
+
+def test_generate_is_greedy_by_default_and_json_alone_prints_one_object(run_dir, tmp_path):
+    """--json with no file prints exactly one JSON object on stdout: the ids and text of the
+    default (greedy) continuation, equal to --greedy's. With more new tokens the window grows
+    (64 to 128 slots here) and the first tokens stay the same: the padding slots, at position
+    0 after the current length, change nothing."""
+    _, greedy = generated(run_dir, tmp_path, "greedy", "--greedy")
+    out = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 12,
+                    "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads(out.stdout)  # the whole of stdout: one object, nothing else
+    assert set(record) == {"ids", "text"} and out.stdout.count("\n") == 1
+    assert record["ids"] == greedy["tokens"] and record["text"] == greedy["text"]
+
+    longer = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens",
+                       80, "--json")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    ids = json.loads(longer.stdout)["ids"]
+    assert ids[:len(record["ids"])] == record["ids"]
+
+
+def test_window_is_the_smallest_multiple_of_64_capped_at_seq_len(rng):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("generate_script",
+                                                  tr.ROOT / "scripts" / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    for _ in range(200):
+        prompt, new = int(rng.integers(1, 5000)), int(rng.integers(1, 5000))
+        seq_len = int(rng.integers(1, 200)) * 64
+        w = gen.window_size(prompt, new, seq_len)
+        if prompt + new <= seq_len:
+            assert w % 64 == 0 and prompt + new <= w < prompt + new + 64 and w <= seq_len
+        else:
+            assert w == seq_len

@@ -1,0 +1,43 @@
+"""Context extension of an imported Hugging Face LLaMA: continued training at a longer length
+with a larger RoPE base, then long-context evaluation. A runbook; each step is one command.
+
+1. Import the weights into a run directory (config.json, tokenizer, checkpoints/0):
+     python scripts/convert_hf.py import --hf HF_DIR --out runs/base_hf
+2. Train at the new length (here 32,768 tokens, striped ring over 8 devices), starting from
+   those weights with a fresh optimizer:
+     python train.py --config configs/extend.py --workdir runs/extended --config.checkpoint.restore_from=runs/base_hf --config.checkpoint.restore_weights_only=True --config.data.tokenizer=runs/base_hf/tokenizer.json --config.data.source=jsonl --config.data.path=DATA.jsonl
+   The model fields decide parameter shapes, and they must be the imported run's: the
+   defaults here are LLaMA-2-7B's (vocab 32000, d 4096, 32 layers, 32 heads, ffn 11008).
+   For another model pass the "model" section of runs/base_hf/config.json as
+   --config.model.FIELD=VALUE overrides; a field left different stops the run before it
+   trains, with one line naming each mismatched field and both values.
+   The recipe follows Fu et al. 2024 ("Data Engineering for Scaling Language Models to 128K
+   Context") and ProLong (Gao et al. 2024): a RoPE base raised from 10,000 to 500,000 (ProLong
+   goes to millions for 64K-512K), a constant learning rate of 2e-5 after a short warmup, and
+   on the order of a billion tokens of long documents (steps x batch x seq_len here: 1000 x 8
+   x 32,768 = 262M; raise train.steps or data.batch_size for more).
+3. Evaluate at the new length and below (passkey retrieval; held-out loss by position):
+     python scripts/eval_passkey.py --run runs/extended --lengths 4096,16384,32768 --trials 5
+     python scripts/eval.py --run runs/extended
+4. Export for Hugging Face tools:
+     python scripts/convert_hf.py export --run runs/extended --out HF_OUT
+
+configs/extend_tiny.py is the same recipe at CPU sizes, on a model trained here first.
+"""
+from configs.llama import llama_config
+
+
+def get_config():
+    c = llama_config("extend", layers=32, d_model=4096, ffn_dim=11008, heads=32)
+    # Positions past the base model's training length rotate through angles it never saw;
+    # a larger base slows every frequency so that the new length maps into familiar angles.
+    c.model.rope_theta = 500000.0
+    c.attention.update(layout="striped")
+    c.mesh.update(data=1, fsdp=-1, sequence=8, tensor=1)
+    c.data.update(source="jsonl", seq_len=32768, batch_size=8)
+    # Continued pretraining: the weights are already good, so a small constant rate moves
+    # them to the new positions without washing out what they know.
+    c.train.update(steps=1000, lr=2e-5, warmup_steps=20, min_lr_ratio=1.0, weight_decay=0.0,
+                   log_every=10, eval_every=200)
+    c.checkpoint.update(every=200, keep=3)
+    return c

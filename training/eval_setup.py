@@ -1,0 +1,25 @@
+"""Where a trained run is evaluated (scripts/eval.py, scripts/eval_passkey.py): the run's own
+mesh, attention and layout when this machine has the devices for them, else one device with
+dense attention in the contiguous layout (the parameters depend on neither, and the loss is
+the same). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices.
+"""
+from __future__ import annotations
+
+
+def eval_setup(config, log):
+    """(config, mesh) to evaluate on: the run's when it fits this machine, else one device."""
+    import jax
+
+    from errors import ConfigError
+    from parallel.mesh import make_mesh
+    from training.validate import validate
+    try:
+        validate(config, jax.device_count())
+        return config, make_mesh(config.mesh)
+    except ConfigError as e:
+        log(f"the run's mesh does not fit {jax.device_count()} device(s) ({e}); evaluating on "
+            f"one device with dense attention, contiguous layout")
+    config = config.copy_and_resolve_references()
+    config.mesh.update(data=1, fsdp=1, sequence=1, tensor=1)
+    config.attention.update(impl="dense", layout="contiguous")
+    return config, make_mesh(config.mesh, jax.devices()[:1])
