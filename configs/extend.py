@@ -4,18 +4,19 @@ with a larger RoPE base, then long-context evaluation. A runbook; each step is o
 1. Import the weights into a run directory (config.json, tokenizer, checkpoints/0):
      python scripts/convert_hf.py import --hf HF_DIR --out runs/base_hf
 2. Train at the new length (here 32,768 tokens, striped ring over 8 devices), starting from
-   those weights with a fresh optimizer:
-     python train.py --config configs/extend.py --workdir runs/extended --config.checkpoint.restore_from=runs/base_hf --config.checkpoint.restore_weights_only=True --config.data.tokenizer=runs/base_hf/tokenizer.json --config.data.source=jsonl --config.data.path=DATA.jsonl
-   The model fields decide parameter shapes, and they must be the imported run's: the
-   defaults here are LLaMA-2-7B's (vocab 32000, d 4096, 32 layers, 32 heads, ffn 11008).
-   For another model pass the "model" section of runs/base_hf/config.json as
-   --config.model.FIELD=VALUE overrides; a field left different stops the run before it
-   trains, with one line naming each mismatched field and both values.
+   those weights with a fresh optimizer; `:runs/base_hf` takes the imported model (shapes,
+   norms, RoPE scaling, tied head), its tokenizer and a weights-only restore from the import:
+     python train.py --config configs/extend.py:runs/base_hf --workdir runs/extended --config.data.path=DATA.jsonl
+   Without `:RUN_DIR` the model is LLaMA-2-7B's (vocab 32000, d 4096, 32 layers, 32 heads,
+   ffn 11008), e.g. to plan the run; a model field that differs from the checkpoint's stops
+   the run before it trains, with one line naming each mismatched field and both values.
    The recipe follows Fu et al. 2024 ("Data Engineering for Scaling Language Models to 128K
-   Context") and ProLong (Gao et al. 2024): a RoPE base raised from 10,000 to 500,000 (ProLong
-   goes to millions for 64K-512K), a constant learning rate of 2e-5 after a short warmup, and
-   on the order of a billion tokens of long documents (steps x batch x seq_len here: 1000 x 8
-   x 32,768 = 262M; raise train.steps or data.batch_size for more).
+   Context") and ProLong (Gao et al. 2024): a RoPE base raised to 500,000 (from Llama 2's
+   10,000; a base already larger is kept; ProLong goes to millions for 64K-512K), a constant
+   learning rate of 2e-5 after a short warmup, and on the order of a billion tokens of long
+   documents (steps x batch x seq_len here: 1000 x 8 x 32,768 = 262M; raise train.steps or
+   data.batch_size for more). data.min_doc_tokens / data.long_doc_upsample / data.mixture
+   select and weight the long documents (README, "Long-context data").
 3. Evaluate at the new length and below (passkey retrieval; held-out loss by position):
      python scripts/eval_passkey.py --run runs/extended --lengths 4096,16384,32768 --trials 5
      python scripts/eval.py --run runs/extended
@@ -24,14 +25,17 @@ with a larger RoPE base, then long-context evaluation. A runbook; each step is o
 
 configs/extend_tiny.py is the same recipe at CPU sizes, on a model trained here first.
 """
+from configs.from_run import start_from
 from configs.llama import llama_config
 
 
-def get_config():
+def get_config(run_dir: str = ""):
     c = llama_config("extend", layers=32, d_model=4096, ffn_dim=11008, heads=32)
+    if run_dir:
+        start_from(c, run_dir, "configs/extend.py")
     # Positions past the base model's training length rotate through angles it never saw;
     # a larger base slows every frequency so that the new length maps into familiar angles.
-    c.model.rope_theta = 500000.0
+    c.model.rope_theta = max(float(c.model.rope_theta), 500000.0)
     c.attention.update(layout="striped")
     c.mesh.update(data=1, fsdp=-1, sequence=8, tensor=1)
     c.data.update(source="jsonl", seq_len=32768, batch_size=8)

@@ -61,23 +61,6 @@ def check_args(args):
         raise CheckpointError(f"--top-k={args.top_k} must be >= 0 (0 samples among all tokens)")
 
 
-def single_device_model(config):
-    """(graphdef, abstract params on device 0) of the run's model, dense and contiguous."""
-    import jax
-    from flax import nnx
-    from jax.sharding import SingleDeviceSharding
-
-    from model.decoder import Decoder
-    from model.layers import AttentionBackend
-    backend = AttentionBackend(impl="dense", layout="contiguous")
-    abstract = nnx.eval_shape(lambda: Decoder(config.model, backend, nnx.Rngs(0)))
-    graphdef, params = nnx.split(abstract, nnx.Param)
-    on_device = SingleDeviceSharding(jax.devices()[0])
-    return graphdef, jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
-        nnx.to_pure_dict(params))
-
-
 def make_step(graphdef, window: int, usable_vocab: int, greedy: bool, temperature: float,
               top_k: int):
     """step(params, buf [window], n, key) -> (buf, n + 1, token): appends one sampled token."""
@@ -151,6 +134,7 @@ def main(argv=None) -> int:
         check_args(args)
         from checkpoints.rundir import open_run
         run = open_run(args.run)
+        from checkpoints.rundir import single_device_model
         graphdef, abstract = single_device_model(run.config)
         got = run.restore_params(abstract, step=args.step)
         mode = ("greedy" if args.greedy else

@@ -130,10 +130,12 @@ def test_greedy_generation_gives_transformers_tokens(rng, tmp_path, capsys):
     prompt = " ".join(run.tokenizer.decode([int(i)]) for i in rng.integers(5, 250, 12))
     ids = run.tokenizer.encode(prompt).ids
     new = 3 * ORIGINAL  # runs well past the original context
-    out = tmp_path / "gen.json"
-    assert generate.main(["--run", str(run.directory), "--prompt", prompt, "--greedy",
-                          "--max-new-tokens", str(new), "--json", str(out)]) == 0
-    ours = json.loads(out.read_text())["tokens"]
+    capsys.readouterr()
+    assert generate.main(["--run", str(run.directory), "--prompt", prompt,  # greedy by default
+                          "--max-new-tokens", str(new), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)  # {"ids": [...], "text": ...} and nothing else
+    ours = printed["ids"]
+    assert printed["text"] == run.tokenizer.decode(ours)
     with torch.no_grad():
         theirs = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
                                 eos_token_id=run.tokenizer.token_to_id(EOS))[0, len(ids):].tolist()
