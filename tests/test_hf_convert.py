@@ -260,10 +260,11 @@ def test_train_from_an_import_then_export_to_transformers(rng, tmp_path):
     assert relative(trained, before) > 1e-3  # the export holds the trained weights, not the import's
 
 
-def test_eval_reads_an_import_as_it_is(rng, tmp_path):
-    """scripts/eval.py takes an import's run directory: its tokenizer, its weights, its mesh."""
+def test_eval_and_passkey_read_an_import_as_it_is(rng, tmp_path):
+    """scripts/eval.py and eval_passkey.py take an import's run directory (tied head here):
+    its tokenizer, its weights, its mesh."""
     import tests.trained_run as tr
-    hf_model(rng, tmp_path / "hf", scaling="linear")
+    hf_model(rng, tmp_path / "hf", scaling="linear", tied=True)
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": " ".join(rng.choice(["abc", "defg", "hij"], 60))})
                             + "\n" for _ in range(30)))
@@ -274,3 +275,8 @@ def test_eval_reads_an_import_as_it_is(rng, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
     assert result["step"] == 0 and result["tokens"] > 0 and np.isfinite(result["loss"])
+    done = tr.script("eval_passkey.py", "--run", tmp_path / "run", "--lengths", "128",
+                     "--depths", "0.5", "--trials", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    grid = json.loads((tmp_path / "run" / "eval" / "passkey.json").read_text())
+    assert grid["step"] == 0 and grid["trials"] == 2
