@@ -47,8 +47,9 @@ def resolve(path: str) -> pathlib.Path:
         return file
     known = sorted(f"configs/{f.name}" for f in (ROOT / "configs").glob("*.py")
                    if re.search(r"^def get_config\(", f.read_text(), flags=re.M))
-    names = {pathlib.Path(k).name: k for k in known}  # compare names: every path shares configs/
-    near = [names[n] for n in difflib.get_close_matches(file.name, names, n=3, cutoff=0.6)]
+    # Compare stems: every path shares configs/ and .py, which would make any two names close.
+    names = {pathlib.Path(k).stem: k for k in known}
+    near = [names[n] for n in difflib.get_close_matches(file.stem, names, n=3, cutoff=0.5)]
     raise ConfigFileError(f"--config {path}: no such file; "
                           + (f"nearest: {', '.join(near)}" if near else f"configs: {', '.join(known)}"))
 

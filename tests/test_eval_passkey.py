@@ -167,9 +167,15 @@ def test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_no
 
     state = trainer.init(int(rng.integers(1 << 30)))
     untrained = accuracy(state.params)
-    for _ in range(steps):
-        state, _ = trainer.train_step(state, batch())
+    # Retrieval appears abruptly, after a number of steps that varies with the seed (600 is
+    # usually enough, now and then it takes twice that): train in rounds until a held-aside
+    # check sees it, at most 4x, then score on fresh keys.
+    for done in range(0, 4 * steps, steps // 2):
+        for _ in range(steps // 2):
+            state, _ = trainer.train_step(state, batch())
+        if done + steps // 2 >= steps and accuracy(state.params) >= 0.2:
+            break
     trained = accuracy(state.params)
-    print(f"untrained {untrained}, trained {trained}")
+    print(f"untrained {untrained}, trained {trained} after {done + steps // 2} steps")
     # 4 of 40 fresh keys right by chance has probability about 1e-15.
     assert untrained <= 0.05 and trained >= 0.1, (untrained, trained)
