@@ -3,7 +3,8 @@
 A config names a mesh of N devices; a CPU has one device unless XLA_FLAGS carries
 ``--xla_force_host_platform_device_count=N``, which XLA reads once, when jax starts. So the
 commands that build a mesh from a config (train.py, scripts/bench_checkpoint.py,
-scripts/bench_data.py) call ``simulate_for_mesh`` first. It appends that flag to XLA_FLAGS,
+scripts/bench_data.py) call ``simulate_for_mesh`` first, and those that evaluate a run on its
+own mesh (scripts/eval.py, scripts/eval_passkey.py) ``simulate_for_run``. It appends that flag to XLA_FLAGS,
 and says so in one line, only when all of these hold:
 
 - XLA_FLAGS sets no device count yet (the user's, ``make demo``'s or the launcher's wins);
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import math
 import os
+import pathlib
 
 AXES = ("data", "fsdp", "sequence", "tensor")  # parallel.mesh.AXES; that module imports jax
 FLAG = "--xla_force_host_platform_device_count"
@@ -64,3 +67,17 @@ def simulate_for_mesh(mesh_cfg, *, multi_process: bool = False, environ=os.envir
         f"simulating {n} CPU devices for the config's mesh ({sizes}): "
         f"XLA_FLAGS={environ['XLA_FLAGS']}")
     return n
+
+
+def simulate_for_run(run_dir, *, environ=os.environ, say=None) -> int:
+    """``simulate_for_mesh`` for the mesh a run directory trained on (its config.json), so that
+    its evaluation runs on that mesh, ring and layout here too; 0 and nothing set when the run
+    cannot be read (the script's own open_run reports that)."""
+    try:
+        mesh = json.loads((pathlib.Path(run_dir) / "config.json").read_text())["mesh"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    if not isinstance(mesh, dict):
+        return 0
+    return simulate_for_mesh({k: v for k, v in mesh.items() if isinstance(v, int)},
+                             environ=environ, say=say)

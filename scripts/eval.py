@@ -10,7 +10,8 @@ stdout, and ``eval.json`` and ``loss_by_position.png`` to --out (default RUN/eva
 Uses the run's own mesh, attention and layout when this machine has the devices for them
 (batches then arrive in layout order and are put back in natural order by the layout's
 permutation); otherwise one device, dense attention, contiguous layout: the loss is the same.
-On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices.
+On a CPU it simulates the run's devices as train.py does (parallel/host_devices.py), unless
+XLA_FLAGS already sets a device count.
 """
 from __future__ import annotations
 
@@ -146,6 +147,8 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    from parallel.host_devices import simulate_for_run
+    simulate_for_run(args.run, say=log)  # before jax starts
     try:
         if args.batches < 1 or args.buckets < 1:
             raise CheckpointError(f"--batches={args.batches} and --buckets={args.buckets} must "

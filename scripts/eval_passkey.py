@@ -272,18 +272,6 @@ def heatmap(result: dict, path: pathlib.Path):
     plt.close(fig)
 
 
-def simulate_run_devices(run_dir: str, log) -> None:
-    """On a CPU, simulate the devices of the run's mesh as train.py does (before jax starts),
-    so that its ring and layout run here too; nothing when the run cannot be read (open_run
-    reports that) or XLA_FLAGS already sets a count."""
-    from parallel.host_devices import simulate_for_mesh
-    try:
-        mesh = json.loads((pathlib.Path(run_dir) / "config.json").read_text())["mesh"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    simulate_for_mesh({k: v for k, v in mesh.items() if isinstance(v, int)}, say=log)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from absl import logging as absl_logging
@@ -294,7 +282,8 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    simulate_run_devices(args.run, log)
+    from parallel.host_devices import simulate_for_run
+    simulate_for_run(args.run, say=log)  # before jax starts
     try:
         depths = parse_list(args.depths, float, "--depths")
         if not all(0.0 <= d <= 1.0 for d in depths):

@@ -77,3 +77,20 @@ def test_deciding_imports_no_jax():
             "on_cpu(); accelerator_plugin_installed(); assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=host_devices.__file__.rsplit(
         "/parallel/", 1)[0])
+
+
+def test_a_run_directory_simulates_the_mesh_it_trained_on(cpu_only, tmp_path):
+    """scripts/eval.py and eval_passkey.py evaluate a run on its own mesh: they simulate it
+    from the run's config.json, and leave XLA_FLAGS alone when there is none to read."""
+    rng = np.random.default_rng()
+    s, t = int(rng.integers(2, 5)), int(rng.integers(1, 3))
+    config = tiny.get_config()
+    config.mesh.update(data=1, fsdp=2, sequence=s, tensor=t)
+    (tmp_path / "config.json").write_text(config.to_json())
+    env, said = {}, []
+    assert host_devices.simulate_for_run(tmp_path, environ=env, say=said.append) == 2 * s * t
+    assert env["XLA_FLAGS"] == f"{FLAG}={2 * s * t}" and len(said) == 1
+    env = {}
+    assert host_devices.simulate_for_run(tmp_path / "nowhere", environ=env) == 0 and env == {}
+    (tmp_path / "config.json").write_text("{not json")
+    assert host_devices.simulate_for_run(tmp_path, environ=env) == 0 and env == {}
