@@ -280,3 +280,24 @@ def test_eval_and_passkey_read_an_import_as_it_is(rng, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     grid = json.loads((tmp_path / "run" / "eval" / "passkey.json").read_text())
     assert grid["step"] == 0 and grid["trials"] == 2
+
+
+@pytest.mark.parametrize("scaling", ["linear", "dynamic", "yarn", "llama3"])
+def test_released_checkpoints_rope_spelling_reads_the_same(rng, tmp_path, scaling):
+    """Released checkpoints carry rope_theta + rope_scaling (older ones with "type", not
+    "rope_type"); transformers 5 writes rope_parameters. Both import to the same model, and
+    transformers reads the old spelling to the same logits."""
+    model = hf_model(rng, tmp_path / "hf", scaling=scaling)
+    new = import_run(tmp_path / "hf", tmp_path / "new")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    params = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "rope_scaling": params}))
+    old = import_run(tmp_path / "hf", tmp_path / "old")
+    assert old.config.model.to_dict() == new.config.model.to_dict()
+    assert old.config.model.rope_scaling.type == scaling
+    legacy = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    tokens = rng.integers(0, old.config.model.vocab_size, (1, 3 * ORIGINAL))
+    assert relative(our_logits(old, tokens), hf_logits(model, tokens)) < 1e-4
+    assert relative(our_logits(old, tokens), hf_logits(legacy, tokens)) < 1e-4
