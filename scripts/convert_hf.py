@@ -49,25 +49,19 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    from training.entry import user_errors
+    from training.entry import script_main, stderr
 
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    try:
+    def convert() -> int:
         from hf.convert import export_hf, import_hf
         if args.command == "import":
-            out = import_hf(args.hf, args.out, args.config, args.overrides, log=log)
+            out = import_hf(args.hf, args.out, args.config, args.overrides, log=stderr)
         else:
-            out = export_hf(args.run, args.out, args.dtype, args.step, args.max_shard_gb, log=log)
-    except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+            out = export_hf(args.run, args.out, args.dtype, args.step, args.max_shard_gb,
+                            log=stderr)
+        print(out)
+        return 0
 
+    return script_main(convert)
 
 if __name__ == "__main__":
     sys.exit(main())

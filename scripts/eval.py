@@ -139,34 +139,27 @@ def evaluate(run, args, log) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    from errors import CheckpointError
-    from training.entry import user_errors
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
     from parallel.host_devices import simulate_for_run
-    simulate_for_run(args.run, say=log)  # before jax starts
-    try:
+    from training.entry import script_main, stderr
+    simulate_for_run(args.run, say=stderr)  # before jax starts
+
+    def run_eval() -> int:
+        from checkpoints.rundir import open_run
+        from errors import CheckpointError
         if args.batches < 1 or args.buckets < 1:
             raise CheckpointError(f"--batches={args.batches} and --buckets={args.buckets} must "
                                   f"be >= 1")
-        from checkpoints.rundir import open_run
-        run = open_run(args.run, log=log)
-        result = evaluate(run, args, log)
-    except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = pathlib.Path(args.out) if args.out else run.directory / "eval"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result["buckets"], result, out / "loss_by_position.png")
-    print(table(result["buckets"], result))
-    print(f"wrote {out / 'eval.json'} and {out / 'loss_by_position.png'}")
-    return 0
+        run = open_run(args.run, log=stderr)
+        result = evaluate(run, args, stderr)
+        out = pathlib.Path(args.out) if args.out else run.directory / "eval"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot(result["buckets"], result, out / "loss_by_position.png")
+        print(table(result["buckets"], result))
+        print(f"wrote {out / 'eval.json'} and {out / 'loss_by_position.png'}")
+        return 0
 
+    return script_main(run_eval)
 
 if __name__ == "__main__":
     sys.exit(main())

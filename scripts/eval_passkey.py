@@ -274,40 +274,33 @@ def heatmap(result: dict, path: pathlib.Path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    from errors import ConfigError
-    from training.entry import user_errors
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
     from parallel.host_devices import simulate_for_run
-    simulate_for_run(args.run, say=log)  # before jax starts
-    try:
+    from training.entry import script_main, stderr
+    simulate_for_run(args.run, say=stderr)  # before jax starts
+
+    def run_eval() -> int:
+        from checkpoints.rundir import open_run
+        from errors import ConfigError
         depths = parse_list(args.depths, float, "--depths")
         if not all(0.0 <= d <= 1.0 for d in depths):
             raise ConfigError(f"--depths={args.depths}: every depth must be in [0, 1]")
         if args.trials < 1:
             raise ConfigError(f"--trials={args.trials} must be >= 1")
-        from checkpoints.rundir import open_run
-        run = open_run(args.run, log=log)
+        run = open_run(args.run, log=stderr)
         lengths = (parse_list(args.lengths, int, "--lengths") if args.lengths
                    else [int(run.config.data.seq_len)])
-        result = evaluate(run, lengths, depths, args.trials, args.seed, args.step, log)
-    except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out_json = pathlib.Path(args.json) if args.json else run.directory / "eval" / "passkey.json"
-    out_png = pathlib.Path(args.png) if args.png else run.directory / "eval" / "passkey.png"
-    for path in (out_json, out_png):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(result, indent=2) + "\n")
-    heatmap(result, out_png)
-    print(table(result))
-    print(f"wrote {out_json} and {out_png}")
-    return 0
+        result = evaluate(run, lengths, depths, args.trials, args.seed, args.step, stderr)
+        out_json = pathlib.Path(args.json) if args.json else run.directory / "eval" / "passkey.json"
+        out_png = pathlib.Path(args.png) if args.png else run.directory / "eval" / "passkey.png"
+        for path in (out_json, out_png):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(result, indent=2) + "\n")
+        heatmap(result, out_png)
+        print(table(result))
+        print(f"wrote {out_json} and {out_png}")
+        return 0
 
+    return script_main(run_eval)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -127,38 +127,35 @@ def generate(run, params, graphdef, prompt: str, args) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    from training.entry import user_errors
-    try:
+    from training.entry import script_main, stderr
+
+    def run_generate() -> int:
+        from checkpoints.rundir import open_run, single_device_model
         check_args(args)
-        from checkpoints.rundir import open_run
         run = open_run(args.run)
-        from checkpoints.rundir import single_device_model
         graphdef, abstract = single_device_model(run.config)
         got = run.restore_params(abstract, step=args.step)
         mode = ("greedy" if args.greedy else
                 f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
-        print(f"{run.directory}: step {got.step} ({got.path}); {mode}", file=sys.stderr)
+        stderr(f"{run.directory}: step {got.step} ({got.path}); {mode}")
         t0 = time.perf_counter()
         tokens = generate(run, got.params, graphdef, args.prompt, args)
-    except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    text = run.tokenizer.decode(tokens)
-    if args.json == "-":
-        print(json.dumps({"ids": tokens, "text": text}))
-    else:
-        print(args.prompt + text)
-    print(f"{len(tokens)} tokens in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    if args.json and args.json != "-":
-        with open(args.json, "w") as f:
-            json.dump({"run": str(run.directory), "step": got.step, "prompt": args.prompt,
-                       "prompt_tokens": run.tokenizer.encode(args.prompt).ids, "tokens": tokens,
-                       "text": text, "greedy": args.greedy, "temperature": args.temperature,
-                       "top_k": args.top_k, "seed": args.seed}, f, indent=2)
-    return 0
+        text = run.tokenizer.decode(tokens)
+        if args.json == "-":
+            print(json.dumps({"ids": tokens, "text": text}))
+        else:
+            print(args.prompt + text)
+        stderr(f"{len(tokens)} tokens in {time.perf_counter() - t0:.1f}s")
+        if args.json and args.json != "-":
+            with open(args.json, "w") as f:
+                json.dump({"run": str(run.directory), "step": got.step, "prompt": args.prompt,
+                           "prompt_tokens": run.tokenizer.encode(args.prompt).ids,
+                           "tokens": tokens, "text": text, "greedy": args.greedy,
+                           "temperature": args.temperature, "top_k": args.top_k,
+                           "seed": args.seed}, f, indent=2)
+        return 0
 
+    return script_main(run_generate)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,3 +33,20 @@ def main_with_errors(config, workdir, coordinator=None, num_processes=None,
         print(f"process {jax.process_index()}/{jax.process_count()}: final loss "
               f"{summary['final_loss']:.6f}", flush=True)
     return 0
+
+
+def stderr(msg: str) -> None:
+    """Progress and notes of the scripts: stderr, so that stdout holds only their result."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def script_main(body) -> int:
+    """A script's exit code: ``body()``'s, or 2 with one ``error:`` line for a user's mistake
+    (absl's backend chatter silenced first)."""
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        return body()
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
