@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 from errors import ConversionError
-from model import rope as rope_lib
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MODEL_TYPES = ("llama", "mistral")
@@ -110,15 +109,7 @@ def model_fields(cfg: dict) -> dict:
     head_dim = int(cfg.get("head_dim") or d // heads)
     fields["head_dim"] = 0 if head_dim * heads == d else head_dim
     fields.update(rope_from_hf(cfg))
-    problem = rope_lib.check(rope_lib.Rope(theta=fields["rope_theta"], **_rope_kwargs(fields["rope_scaling"])))
-    if problem:
-        raise ConversionError(f"config.json: {problem}")
     return fields
-
-
-def _rope_kwargs(scaling: dict) -> dict:
-    names = {"type": "scaling", "original_max_len": "original_max_len"}
-    return {names.get(k, k): v for k, v in scaling.items()}
 
 
 def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None,

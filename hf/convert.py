@@ -43,8 +43,11 @@ def _read_json(path: pathlib.Path) -> dict:
 def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str = "configs/base.py",
               overrides=(), log: Callable[[str], None] = print) -> pathlib.Path:
     """Writes a run directory at ``out`` from the HF directory ``hf``; returns ``out``."""
+    import jax
+
     from configs.loading import load, set_field
     from data.tokenizer import fingerprint, load as load_tokenizer
+    from model import rope
     hf, out = pathlib.Path(hf).expanduser().absolute(), pathlib.Path(out).expanduser().absolute()
     if not (hf / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json (give a local Hugging Face model directory)")
@@ -63,6 +66,9 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
         if not eq:
             raise ConversionError(f"--config.{item} is not --config.FIELD=VALUE")
         set_field(config, dotted, text)
+    problem = rope.check(rope.from_config(config.model))  # the RoPE the run will have
+    if problem:
+        raise ConversionError(f"{hf / 'config.json'}: model.{problem}")
     tokenizer = load_tokenizer(str(hf / "tokenizer.json"), config.model.vocab_size)
     tensors = safetensors.Tensors(hf)
     params = weights.params_from_hf(tensors, config.model)
@@ -81,25 +87,14 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
         if (hf / name).is_file():
             shutil.copyfile(hf / name, out / HF_DIR / name)
     _save_params(out, params, config, fp, str(hf))
-    n = sum(int(np.prod(a.shape)) for a in _leaves(params))
+    leaves = jax.tree.leaves(params)
+    n = sum(a.size for a in leaves)
     m = config.model
-    log(f"imported {hf.name}: {n / 1e6:.1f}M parameters ({_dtype_of(params)}), {m.num_layers} "
+    log(f"imported {hf.name}: {n / 1e6:.1f}M parameters ({leaves[0].dtype}), {m.num_layers} "
         f"layers, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}, rope_theta "
         f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
         + (", tied embeddings" if m.tie_embeddings else "") + f" -> {out}")
     return out
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    else:
-        yield tree
-
-
-def _dtype_of(params) -> str:
-    return str(next(iter(_leaves(params))).dtype)
 
 
 def _save_params(out: pathlib.Path, params: dict, config, fp: str, source: str):

@@ -202,6 +202,10 @@ def test_unsupported_models_and_bad_paths_are_one_line(rng, tmp_path, capsys):
     (tmp_path / "ok" / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
     assert code == 2 and "only LLaMA-architecture decoders convert" in line
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(
+        {**cfg, "rope_parameters": {"rope_type": "linear", "factor": 0.5, "rope_theta": 1e4}}))
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
+    assert code == 2 and "model.rope_scaling.factor=0.5 must be >= 1" in line
     (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
 
     weights = tmp_path / "ok" / "model.safetensors"

@@ -1,7 +1,8 @@
 """Where a trained run is evaluated (scripts/eval.py, scripts/eval_passkey.py): the run's own
 mesh, attention and layout when this machine has the devices for them, else one device with
 dense attention in the contiguous layout (the parameters depend on neither, and the loss is
-the same). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices.
+the same). On a CPU both scripts simulate the run's devices first
+(parallel/host_devices.simulate_for_run), so the run's own mesh is the usual case.
 """
 from __future__ import annotations
 
