@@ -11,8 +11,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from parallel import layouts
+from parallel.mesh import BATCH_AXES
 
-BATCH_SPEC = P(("data", "fsdp"), "sequence")
+BATCH_SPEC = P(BATCH_AXES, "sequence")
 
 
 def to_layout(batch: dict, layout: str, num_shards: int, stripe: int = 1) -> dict:

@@ -15,8 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-BATCH_AXES = ("data", "fsdp")
+from parallel.mesh import BATCH_AXES
+
 TOKEN_AXES = ("data", "fsdp", "sequence")  # the axes that split tokens (not tensor)
+
+
+def cast_before_gather(w, dtype):
+    """``w`` in the compute dtype, cast before the FSDP all-gather a chunked map makes of it:
+    the barrier stops XLA from moving the cast after the gather (gathering fp32)."""
+    return jax.lax.optimization_barrier(w.astype(dtype))
 
 
 def num_chunks(local_len: int, chunk: int) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from model.layers import AttentionBackend, Block, RMSNorm, _param
 from model.loss import chunked_token_losses
+from parallel.mesh import BATCH_AXES
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT = ("none", "attention", "full", "offload", "offload_input")
@@ -65,7 +66,7 @@ class Decoder(nnx.Module):
         self.dtype, self.remat, self.scan_layers = dtype, m.remat, m.scan_layers
         self.num_layers = m.num_layers
         self.act_sharding = (jax.sharding.NamedSharding(backend.mesh, jax.sharding.PartitionSpec(
-            ("data", "fsdp"), "sequence", None)) if backend.mesh is not None else None)
+            BATCH_AXES, "sequence", None)) if backend.mesh is not None else None)
 
     def __call__(self, tokens_BL, positions_BL, segment_ids_BL):
         """Logits [B, L, V] in fp32, in the batch's token layout (generation; training never

@@ -11,7 +11,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -146,11 +145,10 @@ class Block(nnx.Module):
             return x_BLD + self.mlp(self.mlp_norm(x_BLD))
         # At long context the MLP's [tokens, ffn_dim] activations are the layer's largest:
         # run it over chunks of each device's tokens under remat (it is per token).
-        from model.chunks import map_chunks
+        from model.chunks import cast_before_gather, map_chunks
         P = jax.sharding.PartitionSpec
         eps, dtype = self.mlp_norm.eps, self.mlp.dtype
-        # The barrier keeps the cast before the FSDP gather (XLA would gather fp32 otherwise).
-        c = lambda p: jax.lax.optimization_barrier(p[...].astype(dtype))
+        c = lambda p: cast_before_gather(p[...], dtype)
         weights = (self.mlp_norm.scale[...], c(self.mlp.w_gate), c(self.mlp.w_up), c(self.mlp.w_down))
         specs = (P(), P(None, "tensor"), P(None, "tensor"), P("tensor", None))
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from model.chunks import map_chunks
+from model.chunks import cast_before_gather, map_chunks
 from model.layers import rms_norm
 
 
@@ -25,8 +25,7 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
     acc = jnp.promote_types(compute_dtype, jnp.float32)  # fp32 logits (fp64 in the tests)
     V = head_DV.shape[1]
     t = mesh.shape["tensor"] if mesh is not None else 1
-    # The barrier keeps the cast before the FSDP gather (XLA would gather fp32 otherwise).
-    head_DV = jax.lax.optimization_barrier(head_DV.astype(compute_dtype))
+    head_DV = cast_before_gather(head_DV, compute_dtype)
     if V % t:
         head_DV = jnp.pad(head_DV, ((0, 0), (0, t - V % t)))
 

@@ -32,8 +32,8 @@ from parallel import kernels, rounds
 from parallel.kernels.spec import RoundSpec
 from parallel.layouts import check as check_layout
 from parallel.layouts import permutation
+from parallel.mesh import BATCH_AXES
 
-BATCH_AXES = ("data", "fsdp")
 HEAD_AXIS = "tensor"
 
 

@@ -10,11 +10,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from errors import MeshError  # also importable as parallel.mesh.MeshError
 
 AXES = ("data", "fsdp", "sequence", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the axes a batch's rows split over (RULES["batch"])
 
 # Logical axis name -> mesh axis (or axes). Parameters name their axes with the keys; nothing
 # else in the code base decides how a parameter is sharded.
 RULES = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "length": "sequence",
     "vocab": "tensor",
     # Parameters and optimizer state are split over every axis that splits the batch or the
