@@ -177,13 +177,6 @@ class Pipeline:
     def tokens_per_epoch(self) -> int:
         return int(self.corpus.lengths[self.epoch_docs].sum() + self.epoch_docs.size)
 
-    def describe(self) -> str:
-        return (f"data: {self.source.description}: {self.corpus.num_docs} documents "
-                f"({self.train_ids.size} train, {self.heldout_ids.size} held out), "
-                f"{self.tokens_per_epoch} training tokens per epoch, tokenizer {self.fingerprint} "
-                f"({self.tokenizer.get_vocab_size()} tokens), layout {self.layout.name} "
-                f"over {self.layout.num_shards} shards")
-
     def plan_line(self) -> str:
         """One line on what the filter, upsampling and mixture did ("" when none is on)."""
         if not self.shapes_epoch:
