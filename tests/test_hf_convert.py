@@ -256,7 +256,10 @@ def test_train_from_an_import_then_export_to_transformers(rng, tmp_path):
     assert exported.config.rope_parameters["rope_theta"] == 400000.0
     assert exported.config.max_position_embeddings == 64
     run = open_run(tmp_path / "long")
-    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())  # from the import
+    # The import's generation config reaches the export unchanged (through restore_from).
+    imported, exported_gen = (json.loads((tmp_path / d / "generation_config.json").read_text())
+                              for d in ("hf", "out"))
+    assert exported_gen == imported
     tokens = rng.integers(0, run.config.model.vocab_size, (1, 64))
     trained = our_logits(run, tokens)
     assert relative(trained, hf_logits(exported, tokens)) < 1e-4
