@@ -39,4 +39,4 @@ clean:
 device-wheels:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-	  ml_collections==1.1.0 PyYAML==6.0.2
+	  ml_collections==1.1.0 PyYAML==6.0.2 flax==0.12.12

@@ -139,7 +139,9 @@ def timed(f, inputs, repeats, warmup):
     return statistics.median(times)
 
 
-def run(args):
+def run(args, save=lambda rows, failures: None):
+    """Times every kernel; ``save(rows, failures)`` after each one, so a run stopped at a time
+    limit on a lent device still leaves what it measured."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -155,7 +157,7 @@ def run(args):
         names.append(pallas if name == "pallas" else name)
     hq, hkv, d = args.heads, args.kv_heads or args.heads, args.head_dim
     dtype = jnp.dtype(args.dtype)
-    rows = []
+    rows, failures = [], []
     for chunk in (int(c) for c in args.chunks.split(",")):
         rng = np.random.default_rng(chunk)
         mk = lambda h: jnp.asarray(rng.standard_normal((args.batch, chunk, h, d)), dtype)
@@ -165,21 +167,30 @@ def run(args):
             for name in names:
                 if name == "cudnn" and (case != "diagonal" or hq != hkv):
                     continue
-                fwd, fwd_bwd, flops, frac = build(name, args, chunk, case, platform)
-                out = np.asarray(fwd(*inputs).astype(jnp.float32))
+                try:
+                    fwd, fwd_bwd, flops, frac = build(name, args, chunk, case, platform)
+                    out = np.asarray(fwd(*inputs).astype(jnp.float32))
+                    t_f = timed(fwd, inputs, args.repeats, args.warmup)
+                    t_fb = timed(fwd_bwd, inputs, args.repeats, args.warmup)
+                except Exception as e:  # one kernel failing on a device must not lose the rest
+                    line = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                    print(f"  {chunk:>6} {case:<8} {name:<10} FAILED: {type(e).__name__}: {line}", flush=True)
+                    failures.append({"chunk": chunk, "case": case, "kernel": name,
+                                     "error": f"{type(e).__name__}: {line}"})
+                    save(rows, failures)
+                    continue
                 ref = out if ref is None else ref
-                t_f = timed(fwd, inputs, args.repeats, args.warmup)
-                t_fb = timed(fwd_bwd, inputs, args.repeats, args.warmup)
                 row = {"chunk": chunk, "case": case, "kernel": name, "fwd_ms": t_f * 1e3,
                        "fwd_bwd_ms": t_fb * 1e3, "fwd_tflops": flops / t_f / 1e12,
                        "fwd_bwd_tflops": 3.5 * flops / t_fb / 1e12, "visible_fraction": frac,
                        "max_err_vs_first": float(np.max(np.abs(out - ref))),
                        "interpret": kernels.interpret(name, platform) if name.startswith("pallas") else False}
                 rows.append(row)
+                save(rows, failures)
                 print(f"  {chunk:>6} {case:<8} {name:<10} fwd {row['fwd_ms']:9.2f} ms "
                       f"{row['fwd_tflops']:7.2f} TF/s   fwd+bwd {row['fwd_bwd_ms']:9.2f} ms "
                       f"{row['fwd_bwd_tflops']:7.2f} TF/s   max err {row['max_err_vs_first']:.1e}", flush=True)
-    return rows, platform
+    return rows, failures, platform
 
 
 def table(rows):
@@ -198,15 +209,25 @@ def table(rows):
 
 def main(argv=None):
     args = parse_args(argv)
-    rows, platform = run(args)
-    print()
-    print(table(rows))
-    if args.json:
+
+    def save(rows, failures, platform=None):
+        if not args.json:
+            return
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"platform": platform, "args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"platform": platform, "args": vars(args), "rows": rows,
+                       "failures": failures}, f, indent=1)
+
+    rows, failures, platform = run(args, save)
+    print()
+    print(table(rows))
+    for f in failures:
+        print(f"FAILED {f['chunk']} {f['case']} {f['kernel']}: {f['error']}")
+    if args.json:
+        save(rows, failures, platform)
         print(f"wrote {args.json}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,6 +8,15 @@
 # 2. scripts/bench_kernels.py: xla vs pallas_gpu vs cuDNN, bf16, head_dim 128, 4k-32k chunks;
 # 3. train.py, configs/llama_1b.py at 32k tokens on one GPU, kernel xla then pallas_gpu:
 #    tokens/s and MFU per logged step.
+# Every stage has its own time limit and writes its log (and JSON) to OUT_DIR as it goes, so a
+# stage that fails or runs out of time costs only itself.
+#
+# Rehearsal on a CPU (no GPU needed; tiny sizes, Pallas interpret mode), so an API change in
+# the JAX a GPU host runs cannot eat a lent GPU's minutes. With that JAX installed (e.g. a
+# Python 3.12 venv from requirements-next.txt with jax==0.11.2):
+#
+#     DEVICE_CHECK_REHEARSE=1 PY=.venv-next/bin/python bash scripts/device_check.sh /tmp/rehearse
+#
 # Packages the host lacks travel as wheels in .whl/ (make device-wheels, run where pip can
 # download); they are installed from there into /tmp/site.
 set -uo pipefail
@@ -15,8 +24,21 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench_out/device}}
 mkdir -p "$OUT_DIR"
 PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} STRIPEDJAX_PALLAS_INTERPRET=0
+REHEARSE=${DEVICE_CHECK_REHEARSE:-0}
+export PYTHONUNBUFFERED=1
 unset XLA_FLAGS
+if [ "$REHEARSE" = 1 ]; then
+  export JAX_PLATFORMS=cpu STRIPEDJAX_PALLAS_INTERPRET=1
+  CHUNKS=128,256 HEADS=2 HEAD_DIM=32 BLOCK=32 REPEATS=1
+  SEQ=256 MODEL="--config.model.num_layers=2 --config.model.d_model=128 --config.model.ffn_dim=256
+    --config.model.num_heads=4 --config.model.num_kv_heads=4 --config.model.vocab_size=512
+    --config.model.mlp_chunk=0 --config.attention.block_q=64 --config.attention.block_kv=64
+    --config.data.max_docs=200"
+else
+  export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} STRIPEDJAX_PALLAS_INTERPRET=0
+  CHUNKS=4096,8192,16384,32768 HEADS=16 HEAD_DIM=128 BLOCK=0 REPEATS=5
+  SEQ=32768 MODEL="--config.data.max_docs=2000"
+fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -25,8 +47,9 @@ stage() { echo; echo "== $(date +%T) $*"; }
 status=0
 
 stage "0. machine"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-$PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null || true
+$PY -c "import jax, flax, optax; d = jax.devices()[0]
+print('jax', jax.__version__, 'flax', flax.__version__, jax.devices(), getattr(d, 'compute_capability', ''))" || exit 1
 
 stage "1. kernel tests, real Pallas GPU kernels (ring of one: one GPU)"
 ids=()
@@ -35,22 +58,28 @@ for h in mha gqa4; do for m in causal packed; do for t in float32 bfloat16; do
 done; done; done
 ids+=("tests/test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds[pallas_gpu]"
       "tests/test_kernels.py::test_dense_impl_uses_the_fused_kernel")
-STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout 240 $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
-  2>&1 | tee "$OUT_DIR/kernel_tests.log" | tail -25 || status=1
+STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout 120 $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
+  > "$OUT_DIR/kernel_tests.log" 2>&1 || status=1
+tail -25 "$OUT_DIR/kernel_tests.log"
 
-stage "2. bench_kernels: one round, bf16, 16 heads of 128"
-timeout 240 $PY scripts/bench_kernels.py --chunks 4096,8192,16384,32768 --heads 16 --head-dim 128 \
-  --repeats 5 --json "$OUT_DIR/bench_kernels.json" 2>&1 | tee "$OUT_DIR/bench_kernels.log" | tail -30 || status=1
+stage "2. bench_kernels: one round, bf16, $HEADS heads of $HEAD_DIM"
+timeout 170 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --head-dim $HEAD_DIM \
+  --block $BLOCK --repeats $REPEATS --json "$OUT_DIR/bench_kernels.json" > "$OUT_DIR/bench_kernels.log" 2>&1 \
+  || status=1
+tail -30 "$OUT_DIR/bench_kernels.log"
 
-stage "3. llama_1b at 32k tokens on one GPU, xla then pallas_gpu"
+stage "3. llama_1b at $SEQ tokens on one GPU, xla then pallas_gpu"
 for kernel in xla pallas_gpu; do
-  timeout 150 $PY train.py --config configs/llama_1b.py --workdir "$OUT_DIR/llama_1b_32k_$kernel" \
+  run="$OUT_DIR/llama_1b_$kernel"
+  # shellcheck disable=SC2086  # MODEL is a list of flags
+  timeout 90 $PY train.py --config configs/llama_1b.py --workdir "$run" $MODEL \
     --config.attention.kernel=$kernel --config.mesh.fsdp=1 --config.mesh.sequence=1 \
-    --config.data.seq_len=32768 --config.data.batch_size=1 --config.data.max_docs=2000 \
+    --config.data.seq_len=$SEQ --config.data.batch_size=1 \
     --config.train.steps=8 --config.train.log_every=2 --config.train.warmup_steps=2 \
-    --config.train.eval_batches=0 --config.checkpoint.every=0 2>&1 \
-    | tee "$OUT_DIR/train_$kernel.log" | grep -E "step|tokens|mfu|MFU|error" | tail -8 || status=1
-  tail -n 2 "$OUT_DIR/llama_1b_32k_$kernel/metrics.jsonl" 2>/dev/null
+    --config.train.eval_batches=0 --config.checkpoint.every=0 > "$OUT_DIR/train_$kernel.log" 2>&1 || status=1
+  grep -E "model:|step|error|Error" "$OUT_DIR/train_$kernel.log" | tail -8
+  cp "$run/metrics.jsonl" "$OUT_DIR/metrics_$kernel.jsonl" 2>/dev/null
+  rm -rf "$run"  # the final checkpoint of a 1B model is 13 GB: keep the disk for the next run
 done
 stage "done (status $status); logs and JSON in $OUT_DIR"
 exit $status
