@@ -33,11 +33,11 @@ if [ "$REHEARSE" = 1 ]; then
   SEQ=256 MODEL="--config.model.num_layers=2 --config.model.d_model=128 --config.model.ffn_dim=256
     --config.model.num_heads=4 --config.model.num_kv_heads=4 --config.model.vocab_size=512
     --config.model.mlp_chunk=0 --config.attention.block_q=64 --config.attention.block_kv=64
-    --config.data.max_docs=200"
+    --config.data.max_docs=4"
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} STRIPEDJAX_PALLAS_INTERPRET=0
   CHUNKS=4096,8192,16384,32768 HEADS=16 HEAD_DIM=128 BLOCK=0 REPEATS=5
-  SEQ=32768 MODEL="--config.data.max_docs=2000"
+  SEQ=32768 MODEL=""
 fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -69,6 +69,26 @@ timeout 170 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --head-
 tail -30 "$OUT_DIR/bench_kernels.log"
 
 stage "3. llama_1b at $SEQ tokens on one GPU, xla then pallas_gpu"
+# Rows of one document each (stdlib files joined into ~100k-token documents), so every step
+# attends the whole causal triangle that MFU counts: short packed documents skip most tiles
+# and make a step's speed depend on which documents it drew. A tokenizer trained on such a
+# file (data/tokenizer.py's cache, carried in .cache) saves training one here.
+docs=/tmp/device_check_long_docs.jsonl
+$PY - "$docs" <<'PYEOF'
+import json, pathlib, sys, sysconfig
+files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+with open(sys.argv[1], "w") as out:
+    doc, n = "", 0
+    for f in files:
+        doc += f.read_text(errors="replace")
+        if len(doc) >= 400_000:
+            out.write(json.dumps({"text": doc}) + "\n")
+            doc, n = "", n + 1
+            if n == 24:
+                break
+PYEOF
+tok=""; [ "$REHEARSE" = 1 ] || tok=$(ls .cache/data/tokenizers/bpe-32000-*.json 2>/dev/null | head -1)
+MODEL="$MODEL --config.data.source=jsonl --config.data.path=$docs${tok:+ --config.data.tokenizer=$tok}"
 for kernel in xla pallas_gpu; do
   run="$OUT_DIR/llama_1b_$kernel"
   # shellcheck disable=SC2086  # MODEL is a list of flags
