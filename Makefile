@@ -6,8 +6,14 @@ STAMP := $(VENV)/.installed
 TFDS_STAMP := $(VENV)/.installed-tfds
 # The Hugging Face parity tests compare against transformers on torch (CPU build).
 TEST_STAMP := $(VENV)/.installed-test
+# The newest JAX (Python 3.12; pyenv's when there is one), tested beside the pinned set.
+PY_NEXT ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV_NEXT := .venv-next
+NEXT_STAMP := $(VENV_NEXT)/.installed
+# What test-next leaves to the pinned run: comparisons against torch/transformers and TFDS.
+NEXT_SKIP := --ignore=tests/test_rope.py --ignore=tests/test_hf_convert.py --ignore=tests/test_data_tfds.py
 
-.PHONY: demo test bench install clean device-wheels
+.PHONY: demo test test-next bench install clean device-wheels
 
 $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,8 +37,18 @@ demo: $(STAMP)
 test: $(STAMP) $(TFDS_STAMP) $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests
 
+$(NEXT_STAMP): requirements-next.txt
+	test -x $(VENV_NEXT)/bin/python || $(PY_NEXT) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install -q --upgrade pip
+	$(VENV_NEXT)/bin/python -m pip install -q -r requirements-next.txt
+	touch $(NEXT_STAMP)
+
+# The suite on the newest JAX (requirements-next.txt), less what needs torch or TensorFlow.
+test-next: $(NEXT_STAMP)
+	$(VENV_NEXT)/bin/python -m pytest -q $(NEXT_SKIP) tests
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEXT) runs .pytest_cache
 
 # Wheels a lent GPU host lacks (Python 3.12, no network there): scripts/device_check.sh installs
 # them from .whl/ (carry .whl with the working tree).
