@@ -4,7 +4,8 @@
 #
 #     bash scripts/device_check.sh [OUT_DIR]
 #
-# 1. the fused-kernel tests with the real Pallas GPU (Triton) kernels, ring of one (one GPU);
+# 1. the fused-kernel tests with the real Pallas GPU (Triton) kernels, ring of one (one GPU),
+#    causal and not;
 # 2. scripts/bench_kernels.py: xla vs pallas_gpu vs cuDNN, bf16, head_dim 128, 4k-32k chunks;
 # 3. train.py, configs/llama_1b.py at 32k tokens on one GPU, kernel xla then pallas_gpu:
 #    tokens/s and MFU per logged step.
@@ -57,7 +58,9 @@ for h in mha gqa4; do for m in causal packed; do for t in float32 bfloat16; do
   ids+=("tests/test_kernels.py::test_fused_ring_matches_reference[pallas_gpu-1-$h-$m-$t]")
 done; done; done
 ids+=("tests/test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds[pallas_gpu]"
-      "tests/test_kernels.py::test_dense_impl_uses_the_fused_kernel")
+      "tests/test_kernels.py::test_dense_impl_uses_the_fused_kernel"
+      "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-whole]"
+      "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-mixed]")
 STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout 120 $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
   > "$OUT_DIR/kernel_tests.log" 2>&1 || status=1
 tail -25 "$OUT_DIR/kernel_tests.log"

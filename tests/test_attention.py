@@ -109,16 +109,20 @@ def ring_outputs(q, k, v, dout, *, mesh, layout, segment_ids=None, positions=Non
 
 
 def run_all_layouts(rng, n, heads, mask, impl="ring", dtype=jnp.float32, tol=1e-5,
-                    layouts=(("contiguous", 1), ("striped", 1), ("zigzag", 1)), **kw):
-    """One case (ring size, (Hq, Hkv), causal or packed, dtype) in every given (layout, stripe)
-    against the float64 reference; the layouts reuse one compiled program (positions are data)."""
+                    layouts=(("contiguous", 1), ("striped", 1), ("zigzag", 1)), causal=True, **kw):
+    """One case (ring size, (Hq, Hkv), mask, dtype, causal or not) in every given (layout,
+    stripe) against the float64 reference; the layouts reuse one compiled program (positions
+    are data). ``mask``: "packed" (documents in every row), "mixed" (in every row but the last,
+    which is one document) or anything else (no segment ids)."""
     q, k, v, dout = inputs(rng, *heads, dtype=dtype)
-    seg = random_segments(rng, B, L) if mask == "packed" else None
+    seg = random_segments(rng, B, L) if mask in ("packed", "mixed") else None
+    if mask == "mixed":  # the last row one document: its tiles need no mask
+        seg[-1] = 0
     pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    want = reference(q, k, v, dout, pos, seg)
+    want = reference(q, k, v, dout, pos, seg, causal)
     for layout, stripe in layouts:
         got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
-                           segment_ids=seg, dtype=dtype, impl=impl, **kw)
+                           segment_ids=seg, dtype=dtype, impl=impl, causal=causal, **kw)
         check(got, want, tol)
 
 
@@ -175,15 +179,6 @@ def test_explicit_positions_reset_per_document(rng):
     got = ring_outputs(q, k, v, dout, mesh=ring_mesh(4), layout="zigzag", segment_ids=seg,
                        positions=pos, block_q=2, block_kv=4, jit=True)
     check(got, reference(q, k, v, dout, pos, seg), 1e-5)
-
-
-def test_non_causal(rng):
-    q, k, v, dout = inputs(rng, 4, 2)
-    seg = random_segments(rng, B, L)
-    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    got = ring_outputs(q, k, v, dout, mesh=ring_mesh(4), layout="striped", segment_ids=seg,
-                       causal=False, block_q=4, block_kv=4)
-    check(got, reference(q, k, v, dout, pos, seg, causal=False), 1e-5)
 
 
 @pytest.mark.parametrize("layout,length", [("contiguous", 8), ("striped", 8), ("zigzag", 16)])
@@ -375,12 +370,12 @@ def test_bad_head_counts_are_rejected():
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "gqa4"])
-@pytest.mark.parametrize("mask", ["causal", "packed", "bidirectional"])
+@pytest.mark.parametrize("mask", ["causal", "packed", "bidirectional", "bidirectional-packed"])
 def test_dense_attention_matches_reference(rng, heads, mask):
     q, k, v, dout = inputs(rng, *heads)
-    seg = random_segments(rng, B, L) if mask != "causal" else None
+    seg = random_segments(rng, B, L) if mask.endswith("packed") else None
     pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    causal = mask != "bidirectional"
+    causal = not mask.startswith("bidirectional")
 
     @jax.jit
     def run(q, k, v, dout):

@@ -28,7 +28,8 @@ LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
 # every pair of values (each pair of heads/mask/dtype at N=2, two opposite corners at N=1 and
 # 4) to keep the suite's time; STRIPEDJAX_FULL_KERNEL_MATRIX=1 runs the whole product (a GPU/TPU
 # host running the real kernels: scripts/device_check.sh does).
-if os.environ.get("STRIPEDJAX_FULL_KERNEL_MATRIX") == "1":
+FULL_MATRIX = os.environ.get("STRIPEDJAX_FULL_KERNEL_MATRIX") == "1"
+if FULL_MATRIX:
     CASES = list(itertools.product((1, 2, 4), ("mha", "gqa4"), ("causal", "packed"),
                                    ("float32", "bfloat16")))
 else:
@@ -81,6 +82,39 @@ def test_auto_resolves_per_platform():
     assert not kernels.interpret("xla", "cpu")
     with pytest.raises(kernels.KernelError, match="valid: auto, xla, pallas_gpu, pallas_tpu"):
         kernels.resolve("triton", "gpu")
+
+
+# ----------------------------------------------------------------------------- non-causal
+
+
+# Every strategy at a ring size its heads allow: (N, (Hq, Hkv), arguments). dense is a ring of
+# one, which is what attention.impl=dense runs with a fused kernel (with xla it is XLA's dense
+# attention: test_attention's test_dense_attention_matches_reference, bidirectional too).
+STRATEGIES = {"dense": (1, (4, 2), {}), "ring": (4, (4, 2), {}), "allgather": (4, (4, 2), {}),
+              "ulysses": (2, (4, 2), {}), "usp": (4, (4, 2), {"ulysses": 2})}
+# (strategy, kernel, mask). "mixed" packs documents in one row and leaves the other one
+# document, whose tiles a fused kernel runs unmasked (its visit tables are per row). By default
+# each fused kernel runs as the ring of one and each strategy with xla (a compilation each, ~2-3
+# s); the full matrix runs every strategy with every kernel, with and without segment ids.
+if FULL_MATRIX:
+    NON_CAUSAL = [c for c in itertools.product(STRATEGIES, ("xla", *PALLAS), ("whole", "mixed"))
+                  if c[:2] != ("dense", "xla")]
+else:
+    NON_CAUSAL = [("dense", "pallas_gpu", "mixed"), ("dense", "pallas_tpu", "mixed"),
+                  ("ring", "xla", "whole"), ("allgather", "xla", "mixed"),
+                  ("ulysses", "xla", "whole"), ("usp", "xla", "mixed")]
+
+
+@pytest.mark.parametrize("case", NON_CAUSAL, ids=lambda c: "-".join(c))
+def test_non_causal_matches_reference(rng, case):
+    """causal=False: every key of the row visible (of the query's document with segment ids),
+    so no tile is skipped for lying in the future; outputs and dQ/dK/dV in every layout against
+    the float64 reference."""
+    impl, kernel, mask = case
+    n, heads, kw = STRATEGIES[impl]
+    bq, bk = tiles(kernel) if kernel != "xla" else (4, 8)
+    run_all_layouts(rng, n, heads, mask, "ring" if impl == "dense" else impl, causal=False,
+                    block_q=bq, block_kv=bk, kernel=kernel, **kw)
 
 
 # ----------------------------------------------------------------------------- visit tables
