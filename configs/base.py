@@ -128,10 +128,15 @@ def get_config() -> ml_collections.ConfigDict:
     # token-weighted mean over all of them. Must divide the rows per data x fsdp group.
     t.microbatches = 1
     t.peak_tflops = 0.0  # per-device peak for MFU; 0 looks the device up in a table
+    # A loss or gradient norm that is NaN/inf (read at log steps and before every save, so a
+    # non-finite state is never saved): stop, naming the newest finite checkpoint, or rollback:
+    # restore it, skip the batches up to the bad step and go on (training/divergence.py).
+    t.on_nonfinite = "stop"  # stop | rollback
+    t.max_rollbacks = 3  # rollback: at most this many per run (resumes included), then stop
 
     c.checkpoint = k = ml_collections.ConfigDict()
     k.every = 500  # steps between checkpoints (0 disables periodic saves; the last step saves)
-    k.keep = 3  # newest checkpoints kept
+    k.keep = 3  # newest checkpoints kept (at least 2: a divergence can roll back past the newest)
     k.keep_every = 0  # also keep every checkpoint whose step is a multiple of this (milestones)
     k.async_save = True  # write in the background while training continues
     k.restore_from = ""  # start from another run's checkpoint dir (its newest step)

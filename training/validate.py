@@ -13,6 +13,7 @@ from parallel.mesh import mesh_shape
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
 IMPLS = ("ring", "allgather", "ulysses", "usp", "dense")
 WANDB_MODES = ("disabled", "offline", "online")
+ON_NONFINITE = ("stop", "rollback")
 
 
 def _need(ok: bool, msg: str):
@@ -113,6 +114,9 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(t.loss_chunk >= 0,
           f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per loss chunk; 0 = no chunking)")
     _need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be >= 0 (0 = device table)")
+    _need(t.on_nonfinite in ON_NONFINITE,
+          f"train.on_nonfinite={t.on_nonfinite!r} is not one of {', '.join(ON_NONFINITE)}")
+    _need(t.max_rollbacks >= 0, f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
     _need(k.every >= 0 and k.keep >= 1,
           f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")
     _need(config.wandb.mode in WANDB_MODES,
