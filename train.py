@@ -7,6 +7,7 @@ same command on a directory with checkpoints resumes from the newest complete on
 the config's mesh is simulated (XLA_FLAGS, one line says so) unless XLA_FLAGS already sets a
 device count: parallel/host_devices.py has the rule.
 """
+import os
 import pathlib
 import sys
 import time
@@ -15,7 +16,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from configs.command_line import check_argv, parse_flags
-from parallel.host_devices import simulate_for_mesh
+from parallel.host_devices import multi_process_env, simulate_for_mesh
+from training import supervisor
 
 check_argv(sys.argv, "config", "configs/tiny.py")  # a missing file or field: one line, exit 2
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file", lock_config=True)
@@ -29,11 +31,18 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # keep the backend probing chatter out of the log
     config = _CONFIG.value
-    simulate_for_mesh(config.mesh, multi_process=any(
-        f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)))
-    from training.entry import main_with_errors  # after the device count is set: imports jax
     # Processes of one run must agree on the directory: name it, or let process 0's clock do.
     workdir = pathlib.Path(_WORKDIR.value or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    multi = any(f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID))
+    if (multi or multi_process_env()) and not supervisor.watched():
+        # The training runs in a watched child: a lost peer ends it in one line (supervisor.py).
+        process_id = _PROCESS_ID.value if _PROCESS_ID.value is not None else int(
+            os.environ.get("JAX_PROCESS_ID", "0"))
+        sys.exit(supervisor.supervise(sys.argv, workdir, process_id,
+                                      config.distributed.heartbeat_timeout_s))
+    supervisor.native_stderr_to_log()
+    simulate_for_mesh(config.mesh, multi_process=multi)
+    from training.entry import main_with_errors  # after the device count is set: imports jax
     sys.exit(main_with_errors(config, workdir, _COORDINATOR.value, _NUM_PROCESSES.value,
                               _PROCESS_ID.value))
 

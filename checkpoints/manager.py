@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from checkpoints import finite, storage
 from checkpoints.compat import check_param_shapes
 from errors import CheckpointError
+from parallel.distributed import is_peer_error
 
 COMMIT_MARKER = "commit_success.txt"
 TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -188,7 +189,7 @@ class Checkpoints:
         try:
             yield
         except Exception as e:
-            if step is None:
+            if step is None or is_peer_error(e):  # a lost peer is not the disk's fault
                 raise
             self._in_flight = None
             storage.remove_partial(self.directory, step, COMMIT_MARKER)

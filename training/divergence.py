@@ -21,7 +21,7 @@ class Diverged(RuntimeError):
 class Divergence:
     def __init__(self, config, trainer, pipe, ckpts, log):
         self.t, self.trainer, self.pipe, self.ckpts, self.log = config.train, trainer, pipe, ckpts, log
-        self.rollbacks = len(pipe.train.skipped)  # spent by the runs this one resumed
+        self.rollbacks = pipe.train.skips  # spent by the runs this one resumed
         self.target: int | None = None  # the checkpoint the last rollback went back to
 
     def handle(self, bad: int, step: int):

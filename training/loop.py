@@ -90,9 +90,9 @@ def run(config, workdir: pathlib.Path) -> dict:
     ckpts = None
     try:
         ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint, log=log.write)
-        plan = pipe.plan_line()
-        if plan:
-            log.write(plan)
+        for line in (pipe.plan_line(), pipe.bad_records_line()):
+            if line:
+                log.write(line)
         start, state = start_state(config, trainer, pipe, ckpts, log.write)
         # Only now, with the checkpoint found to fit this config, is the config recorded.
         write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint)
