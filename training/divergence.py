@@ -6,8 +6,8 @@ the loop reads it at every log step and before every save, so no non-finite stat
 saved and the newest checkpoint is always one to resume from. Rolling back is what large runs
 do for loss spikes (PaLM restarted about 100 steps before a spike and skipped 200-500
 batches): restore the newest finite checkpoint, skip the batches from it to the bad step, go
-on; at most ``train.max_rollbacks`` times per run, resumes included (the skips are in the data
-iterator's state). A state saved just before a divergence can be finite and already ruined
+on; at most ``train.max_rollbacks`` times per run, resumes included (the data iterator's
+state counts them). A state saved just before a divergence can be finite and already ruined
 (one step at a huge learning rate), so when the run diverges again before saving past the
 checkpoint it rolled back to, the next rollback goes to the one before it.
 """
@@ -21,7 +21,7 @@ class Diverged(RuntimeError):
 class Divergence:
     def __init__(self, config, trainer, pipe, ckpts, log):
         self.t, self.trainer, self.pipe, self.ckpts, self.log = config.train, trainer, pipe, ckpts, log
-        self.rollbacks = pipe.train.skips  # spent by the runs this one resumed
+        self.rollbacks = pipe.train.rollbacks  # spent by the runs this one resumed
         self.target: int | None = None  # the checkpoint the last rollback went back to
 
     def handle(self, bad: int, step: int):
@@ -42,8 +42,8 @@ class Divergence:
         bad_end = self.pipe.train.position - (step - bad) * self.pipe.batch_size
         self.pipe.train.restore(got.data)
         batches = (bad_end - self.pipe.train.position) // self.pipe.batch_size
-        self.pipe.train.skip(batches)
         self.rollbacks, self.target = self.rollbacks + 1, got.step
+        self.pipe.train.skip(batches, self.rollbacks)
         self.log(f"training diverged at step {bad}: rolled back to step {got.step} ({got.path}) "
                  f"and skipped {batches} batch{'es' if batches != 1 else ''} of data (rollback "
                  f"{self.rollbacks} of train.max_rollbacks={self.t.max_rollbacks})")
