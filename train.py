@@ -7,7 +7,6 @@ same command on a directory with checkpoints resumes from the newest complete on
 the config's mesh is simulated (XLA_FLAGS, one line says so) unless XLA_FLAGS already sets a
 device count: parallel/host_devices.py has the rule.
 """
-import os
 import pathlib
 import sys
 import time
@@ -36,9 +35,7 @@ def main(argv):
     multi = any(f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID))
     if (multi or multi_process_env()) and not supervisor.watched():
         # The training runs in a watched child: a lost peer ends it in one line (supervisor.py).
-        process_id = _PROCESS_ID.value if _PROCESS_ID.value is not None else int(
-            os.environ.get("JAX_PROCESS_ID", "0"))
-        sys.exit(supervisor.supervise(sys.argv, workdir, process_id,
+        sys.exit(supervisor.supervise(sys.argv, workdir, _PROCESS_ID.value,
                                       config.distributed.heartbeat_timeout_s))
     supervisor.native_stderr_to_log()
     simulate_for_mesh(config.mesh, multi_process=multi)

@@ -27,11 +27,14 @@ PEER_LOST = 3  # the exit code of a run ended by a lost peer
 COMMIT_MARKER = "commit_success.txt"  # checkpoints.manager's; that module imports orbax
 
 
-def supervise(argv: list[str], workdir: pathlib.Path, process_id: int,
+def supervise(argv: list[str], workdir: pathlib.Path, process_id: int | None,
               heartbeat_timeout_s: int) -> int:
     """Runs ``python argv`` (train.py's own command line) as the watched child; its exit code,
     or PEER_LOST with the one line when it ended abnormally."""
-    log = workdir.absolute() / "logs" / f"process{process_id}.log"
+    if process_id is None:
+        process_id = int(os.environ.get("JAX_PROCESS_ID", "0"))
+    workdir = workdir.absolute()
+    log = workdir / "logs" / f"process{process_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")  # this launch's native output only
     child = subprocess.Popen(
