@@ -45,8 +45,15 @@ _PEER_ERRORS = ("Gloo", "NCCL", "Connection reset by peer", "Connection closed b
 
 
 def is_peer_error(e: BaseException) -> bool:
-    """Whether ``e`` says another process of the run is gone (training/supervisor.py)."""
-    return any(p in str(e) for p in _PEER_ERRORS)
+    """Whether ``e`` or an error behind it says another process of the run is gone (orbax
+    wraps a failed barrier in its own timeout); see training/supervisor.py."""
+    for _ in range(32):  # chains are short; the bound only guards against a cycle
+        if e is None:
+            return False
+        if any(p in str(e) for p in _PEER_ERRORS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def simulate_cpu_devices(n: int) -> None:

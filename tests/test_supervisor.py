@@ -40,3 +40,19 @@ def test_the_line_names_the_lost_process_and_the_newest_complete_checkpoint(tmp_
     assert lost_line("", -signal.SIGSEGV, 1, 30, tmp_path, log) == (
         f"process 1 was ended by SIGSEGV; {tail}")
     assert "no checkpoint was complete yet" in lost_line("", abort, 0, 30, pathlib.Path("/nope"), log)
+
+
+def test_a_lost_peer_is_told_from_a_bug_through_the_errors_behind_it():
+    from parallel.distributed import is_peer_error
+    barrier = RuntimeError("INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: "
+                           "Task 1 heartbeat timeout")
+    try:  # orbax's background save wraps the failed barrier in its own timeout
+        try:
+            raise barrier
+        except RuntimeError as e:
+            raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from e
+    except TimeoutError as e:
+        assert is_peer_error(e)
+    assert is_peer_error(ValueError("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error "
+                                    "[127.0.0.1]:12504: Connection reset by peer"))
+    assert not is_peer_error(ValueError("operands could not be broadcast together"))

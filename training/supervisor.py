@@ -20,7 +20,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 LOG_ENV = "STRIPEDJAX_NATIVE_LOG"  # set for the child: where its native stderr goes
 PEER_LOST = 3  # the exit code of a run ended by a lost peer
@@ -107,8 +109,9 @@ def watched() -> bool:
 
 
 def native_stderr_to_log() -> None:
-    """In the watched child: fd 2 (native code's stderr) goes to the log; Python's sys.stderr
-    keeps the terminal for the run's own one-line errors."""
+    """In the watched child: fd 2 (native code's stderr) goes to the log, and so do the traces
+    of background threads (orbax's saves meeting a lost peer); Python's sys.stderr keeps the
+    terminal for the run's own one-line errors."""
     path = os.environ.get(LOG_ENV)
     if not path:
         return
@@ -117,13 +120,18 @@ def native_stderr_to_log() -> None:
     os.dup2(fd, 2)
     os.close(fd)
     sys.stderr = os.fdopen(terminal, "w", buffering=1)
+    log = os.fdopen(os.dup(2), "w", buffering=1)
+
+    def to_log(what):
+        traceback.print_exception(what.exc_type, what.exc_value, what.exc_traceback, file=log)
+
+    threading.excepthook = sys.unraisablehook = to_log
 
 
 def end_for_lost_peer(e: BaseException, heartbeat_timeout_s: int) -> None:
     """A collective failed because a peer is gone: writes the trace to the native log, waits
     for the coordination service to name the peer (it aborts this process within the heartbeat
     timeout), and exits PEER_LOST should it not."""
-    import traceback
     with os.fdopen(os.dup(2), "w") as native:
         traceback.print_exception(e, file=native)
     time.sleep(heartbeat_timeout_s + 10)
