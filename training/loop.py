@@ -77,7 +77,8 @@ def run(config, workdir: pathlib.Path) -> dict:
     """Trains ``config`` in ``workdir``; returns a summary (first/last eval loss, paths).
 
     Resumes from the newest complete checkpoint in ``workdir`` (or starts from
-    ``checkpoint.restore_from``); on SIGTERM/SIGINT finishes the step, saves and returns."""
+    ``checkpoint.restore_from``); on SIGTERM/SIGINT finishes the step, saves and returns; a
+    non-finite loss stops the run or rolls it back (training/divergence.py), never saved."""
     validate(config, jax.device_count())
     from data.pipeline import make_pipeline  # imports datasets/tokenizers: after validation
 
