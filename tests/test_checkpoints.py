@@ -114,7 +114,8 @@ def test_a_non_finite_checkpoint_is_skipped_in_one_line_and_set_aside(tmp_path):
     assert said[:2] == [
         f"checkpoint: skipping step 3 ({tmp_path / '3'}): its state is not finite (training "
         f"diverged at step 2, before this save)",
-        f"checkpoint: skipping step 2 ({tmp_path / '2'}): its parameters are not finite (NaN or inf)"]
+        f"checkpoint: skipping step 2 ({tmp_path / '2'}): its parameters are not finite (NaN "
+        f"or inf)"]
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "skipped").iterdir()) == ["2", "3"]
 
 

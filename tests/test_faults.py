@@ -5,7 +5,6 @@ Divergence never poisons a checkpoint and a diverged run resumes; a full disk ke
 good checkpoint; a bad record names its file and line. (A dead peer: test_multiprocess.py.)
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -76,7 +75,8 @@ def test_a_diverged_run_resumes_and_rolls_back_past_a_ruined_checkpoint(recovere
     records = tr.metrics(workdir)  # step 1 was never logged (log_every 10), 2 to 8 once each
     assert sorted(records) == list(range(2, 9)) and all(r["loss"] < 10 for r in records.values())
     # Two rollbacks; the data trained on passed over the 3 batches after step 1.
-    assert (data_state(workdir, 8)["rollbacks"], data_state(workdir, 8)["skipped_batches"]) == (2, 3)
+    last = data_state(workdir, 8)
+    assert (last["rollbacks"], last["skipped_batches"]) == (2, 3)
 
 
 def test_a_resume_after_rollbacks_is_exact(recovered):
@@ -124,9 +124,9 @@ def test_a_full_disk_stops_in_one_line_and_keeps_the_last_good_checkpoint(recove
         out = train_on_small_disk(workdir, size * 3 // 2, **run)
         on_disk = workdir / "on_tmpfs"
     else:  # no user namespaces here: inject the write error instead
-        out = subprocess.run([sys.executable, "tests/no_space.py", *tr.train_cmd(workdir, **run)[1:]],
-                             cwd=tr.ROOT, env={**tr.env(), "FAIL_SAVES_FROM": "4"},
-                             capture_output=True, text=True, timeout=240)
+        out = subprocess.run(
+            [sys.executable, "tests/no_space.py", *tr.train_cmd(workdir, **run)[1:]], cwd=tr.ROOT,
+            env={**tr.env(), "FAIL_SAVES_FROM": "4"}, capture_output=True, text=True, timeout=240)
         on_disk = workdir / "checkpoints"
     assert out.returncode == 2, out.stderr[-3000:]
     assert errors(out) == [
