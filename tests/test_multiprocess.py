@@ -91,6 +91,8 @@ def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_pa
         time.sleep(0.05)
     killed = time.monotonic()
     os.killpg(hosts[1].pid, signal.SIGKILL)  # the host: its process and the training it watches
+    # The uninterrupted run to compare with, while the survivor waits out the heartbeats.
+    reference = start_host(tmp_path / "uninterrupted", cache, devices=2)
     code = hosts[0].wait(timeout=HEARTBEAT_S + 60)
     took = time.monotonic() - killed
     err = hosts[0].communicate()[1]
@@ -111,7 +113,6 @@ def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_pa
     outs = [h.communicate(timeout=300) for h in hosts]
     assert [h.returncode for h in hosts] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     assert f"resuming from step {step} ({ckpt / str(step)})" in outs[0][0]
-    reference = start_host(tmp_path / "uninterrupted", cache, devices=2)
     assert reference.wait(timeout=300) == 0, reference.communicate()[1][-3000:]
     assert losses(workdir) == losses(tmp_path / "uninterrupted")
 
