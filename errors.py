@@ -24,6 +24,11 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used with this config, or none usable at all."""
 
 
+class StorageError(UserError):
+    """A file the run must write cannot be written: no space, no permission, a vanished
+    directory; the message names the path and the cause."""
+
+
 class LayoutError(UserError):
     """A layout request that cannot be satisfied."""
 

@@ -15,7 +15,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from configs.command_line import check_argv, parse_flags
-from parallel.host_devices import simulate_for_mesh
+from parallel.host_devices import multi_process_env, simulate_for_mesh
+from training import supervisor
 
 check_argv(sys.argv, "config", "configs/tiny.py")  # a missing file or field: one line, exit 2
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file", lock_config=True)
@@ -29,11 +30,16 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # keep the backend probing chatter out of the log
     config = _CONFIG.value
-    simulate_for_mesh(config.mesh, multi_process=any(
-        f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)))
-    from training.entry import main_with_errors  # after the device count is set: imports jax
     # Processes of one run must agree on the directory: name it, or let process 0's clock do.
     workdir = pathlib.Path(_WORKDIR.value or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    multi = any(f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID))
+    if (multi or multi_process_env()) and not supervisor.watched():
+        # The training runs in a watched child: a lost peer ends it in one line (supervisor.py).
+        sys.exit(supervisor.supervise(sys.argv, workdir, _PROCESS_ID.value,
+                                      config.distributed.heartbeat_timeout_s))
+    supervisor.native_stderr_to_log()
+    simulate_for_mesh(config.mesh, multi_process=multi)
+    from training.entry import main_with_errors  # after the device count is set: imports jax
     sys.exit(main_with_errors(config, workdir, _COORDINATOR.value, _NUM_PROCESSES.value,
                               _PROCESS_ID.value))
 

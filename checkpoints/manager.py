@@ -12,12 +12,15 @@ state, so the step counter is the only thing randomness could depend on, and it 
 Only complete checkpoints count. Orbax 0.12.8 writes each step into
 ``<step>.orbax-checkpoint-tmp-*`` and renames it after writing ``commit_success.txt`` into it,
 so a process killed mid-save leaves a tmp directory, never a step directory; those are
-reported and removed. A step directory that lacks the commit marker or fails to restore
-(copied half-way, truncated files) is reported and skipped, and the next older one is tried;
-once one restores, the broken newer ones are moved to ``skipped/``.
+reported and removed. A step directory that lacks the commit marker, fails to restore
+(copied half-way, truncated files) or holds a non-finite state (finite.py) is reported and
+skipped, and the next older one is tried; once one restores, the skipped newer ones are moved
+to ``skipped/``. At least two checkpoints are kept whatever ``checkpoint.keep`` says: a
+divergence noticed after a save can still roll back past it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -29,12 +32,15 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
+from checkpoints import finite, storage
 from checkpoints.compat import check_param_shapes
 from errors import CheckpointError
+from parallel.distributed import is_peer_error
 
 COMMIT_MARKER = "commit_success.txt"
 TMP_MARKER = ".orbax-checkpoint-tmp"
 SKIPPED_DIR = "skipped"  # broken step directories are moved here, not deleted: they may be evidence
+MIN_KEEP = 2  # the newest finite checkpoint and the one before it survive any divergence
 _STEP_NAME = re.compile(r"^(0|[1-9]\d*)$")
 
 
@@ -105,6 +111,7 @@ class Checkpoints:
         checkpoints) and nothing on disk changes."""
         self.directory = pathlib.Path(directory).absolute()
         self.read_only, self.log = ckpt_cfg is None, log
+        self._in_flight: int | None = None  # the step whose (background) write may still fail
         if self.read_only and not self.directory.is_dir():
             raise CheckpointError(f"no checkpoint directory at {self.directory}")
         self._report_interrupted_writes()
@@ -113,8 +120,10 @@ class Checkpoints:
             # manager simply never saves, deletes or cleans up.
             options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
         else:
+            storage.quiet_background_failures()
+            _quiet_orphaned_reads()  # a failed write strands tensorstore callbacks the same way
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=ckpt_cfg.keep, keep_period=ckpt_cfg.keep_every or None,
+                max_to_keep=max(ckpt_cfg.keep, MIN_KEEP), keep_period=ckpt_cfg.keep_every or None,
                 enable_async_checkpointing=bool(ckpt_cfg.async_save), create=True,
                 cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
@@ -161,23 +170,44 @@ class Checkpoints:
         ``state`` to the next step; the write to disk continues in the background."""
         if step in self.manager.all_steps():
             return False
-        return self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave({**meta, "step": int(step)})), force=force)
+        self.wait()  # a failure of the previous (background) save surfaces under its own step
+        with self._writing(step):
+            started = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave({**meta, "step": int(step)})), force=force)
+        self._in_flight = step if started else None
+        return started
 
     def wait(self):
-        self.manager.wait_until_finished()
+        with self._writing(self._in_flight):
+            self.manager.wait_until_finished()
+        self._in_flight = None
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """A failed write of ``step`` becomes a StorageError, its partial write removed."""
+        try:
+            yield
+        except Exception as e:
+            if step is None or is_peer_error(e):  # a lost peer is not the disk's fault
+                raise
+            self._in_flight = None
+            storage.remove_partial(self.directory, step, COMMIT_MARKER)
+            newest = self.manager.latest_step()
+            raise storage.failed(step, self.path(step), e, newest,
+                                 None if newest is None else self.path(newest)) from None
 
     def close(self):
         self.manager.close()
 
     # -- restore -----------------------------------------------------------------------------
-    def restore(self, abstract_state, *, step: int | None = None,
+    def restore(self, abstract_state, *, step: int | None = None, below: int | None = None,
                 check: Callable[[dict, int, pathlib.Path], None] | None = None) -> Restored | None:
-        """The newest complete checkpoint (or exactly ``step``), placed on ``abstract_state``'s
-        shardings: one written on another mesh or layout restores onto this one. None when
-        there is no checkpoint at all. ``check(meta, step, path)`` raises CheckpointError when
-        the checkpoint does not fit this run."""
+        """The newest complete, finite checkpoint (or exactly ``step``; or the newest before
+        step ``below``), placed on ``abstract_state``'s shardings: one written on another mesh
+        or layout restores onto this one. None when there is no checkpoint at all.
+        ``check(meta, step, path)`` raises CheckpointError when the checkpoint does not fit
+        this run."""
 
         def load(s: int) -> Restored:
             out = self.manager.restore(s, args=ocp.args.Composite(
@@ -188,7 +218,7 @@ class Checkpoints:
             return Restored(step=s, path=self.path(s), meta={}, state=out["state"],
                             params=out["state"].params, data=out["data"])
 
-        return self._newest(load, abstract_state.params, step, check)
+        return self._newest(load, abstract_state.params, step, check, below)
 
     def restore_params(self, abstract_params, *, step: int | None = None,
                        check: Callable[[dict, int, pathlib.Path], None] | None = None
@@ -214,8 +244,9 @@ class Checkpoints:
         tree = _state_handler().metadata(self.path(step) / "state").tree
         return meta, tree
 
-    def _newest(self, load, abstract_params, only: int | None, check) -> Restored | None:
-        steps = self.steps()
+    def _newest(self, load, abstract_params, only: int | None, check,
+                below: int | None = None) -> Restored | None:
+        steps = [s for s in self.steps() if below is None or s < below]
         if only is not None:
             if only not in steps:
                 raise CheckpointError(f"no checkpoint for step {only} in {self.directory} "
@@ -243,6 +274,8 @@ class Checkpoints:
                     restored = load(s)
                 except Exception as e:
                     reason = f"it cannot be read ({_first_line(e)})"
+                else:
+                    reason = finite.problem(restored.state, restored.params)
             if reason is not None:
                 skipped.append((s, reason))
                 self.log(f"checkpoint: skipping step {s} ({self.path(s)}): {reason}")
@@ -254,6 +287,11 @@ class Checkpoints:
             f"no checkpoint in {self.directory} could be restored: "
             + "; ".join(f"step {s}: {r}" for s, r in skipped)
             + " (move the directory aside to start fresh)")
+
+    def discard_after(self, step: int):
+        """Moves every checkpoint newer than ``step`` to ``skipped/``: a rollback to ``step``
+        rewrites what follows it, and those step numbers will be saved again."""
+        self._set_aside([s for s in self.steps() if s > step])
 
     def _set_aside(self, steps: list[int]):
         """Moves broken step directories newer than the one restored out of the way, so that

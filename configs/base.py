@@ -79,7 +79,11 @@ def get_config() -> ml_collections.ConfigDict:
     d.hf_config = ""  # hf: dataset config name ("" for none)
     d.split = "train"  # hf/tfds split to read
     d.data_dir = ""  # tfds: data_dir of the prepared dataset
-    d.streaming = False  # text/jsonl/parquet/hf: stream instead of loading in memory
+    d.streaming = False  # hf: stream instead of loading in memory (local files always stream)
+    # A record of a local file that cannot be read (a torn JSON line, bytes that are not UTF-8):
+    # stop, naming file and line or row; or skip: leave it out (invalid UTF-8: replace it),
+    # counted in the startup line (data/files.py).
+    d.bad_records = "stop"  # stop | skip
     d.tokenizer = ""  # path to a tokenizer.json; "" trains a byte-level BPE on the source (cached)
     d.cache_dir = ".cache/data"  # where trained tokenizers and token caches live
     d.max_docs = 0  # read at most this many documents (0 = all; with a mixture: from each source)
@@ -128,14 +132,26 @@ def get_config() -> ml_collections.ConfigDict:
     # token-weighted mean over all of them. Must divide the rows per data x fsdp group.
     t.microbatches = 1
     t.peak_tflops = 0.0  # per-device peak for MFU; 0 looks the device up in a table
+    # A loss or gradient norm that is NaN/inf (read at log steps and before every save, so a
+    # non-finite state is never saved): stop, naming the newest finite checkpoint, or rollback:
+    # restore it, skip the batches up to the bad step and go on (training/divergence.py).
+    t.on_nonfinite = "stop"  # stop | rollback
+    t.max_rollbacks = 3  # rollback: at most this many per run (resumes included), then stop
 
     c.checkpoint = k = ml_collections.ConfigDict()
     k.every = 500  # steps between checkpoints (0 disables periodic saves; the last step saves)
-    k.keep = 3  # newest checkpoints kept
+    k.keep = 3  # newest checkpoints kept (at least 2: a divergence can roll back past the newest)
     k.keep_every = 0  # also keep every checkpoint whose step is a multiple of this (milestones)
     k.async_save = True  # write in the background while training continues
     k.restore_from = ""  # start from another run's checkpoint dir (its newest step)
     k.restore_weights_only = False  # with restore_from: take params only, fresh optimizer/data
+
+    # Multi-process runs (train.py --coordinator ...; parallel/distributed.py).
+    c.distributed = ml_collections.ConfigDict()
+    # A process that sends jax.distributed no heartbeat for this long (dead, hung, unreachable)
+    # ends the run on every host within about this time, with one line naming it; a relaunch
+    # of the same command resumes (training/supervisor.py).
+    c.distributed.heartbeat_timeout_s = 100
 
     c.wandb = w = ml_collections.ConfigDict()
     w.mode = "disabled"  # disabled | offline | online

@@ -3,7 +3,9 @@
 Every batch is a pure function of its first global row ``g`` (epoch ``g // rows_per_epoch``,
 row ``g % rows_per_epoch``), so the iterator's state is just the next row to yield, plus the
 facts that must match on restore. The prefetch thread runs ahead, but ``state()`` describes
-the consumer's position, never the thread's.
+the consumer's position, never the thread's. The rollbacks (``train.on_nonfinite=rollback``)
+and the batches they passed over are counted in the state too, so a resumed run knows how
+many rollbacks it has spent.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class TrainIterator:
         self._prefetch, self._identity = max(0, int(prefetch)), dict(identity)
         self._defaults = dict(defaults or {})
         self._row = 0
+        self._rollbacks, self._skipped_batches = 0, 0  # so far, resumes included
         self._thread = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -37,7 +40,18 @@ class TrainIterator:
     def state(self) -> dict:
         epoch, row = divmod(self._row, self._rows_per_epoch)
         return {"epoch": epoch, "row": row, "rows_per_epoch": self._rows_per_epoch,
+                "rollbacks": self._rollbacks, "skipped_batches": self._skipped_batches,
                 **self._identity}
+
+    @property
+    def position(self) -> int:
+        """The global row of the next batch."""
+        return self._row
+
+    @property
+    def rollbacks(self) -> int:
+        """The rollbacks of this run and the ones it resumed (``skip``)."""
+        return self._rollbacks
 
     def restore(self, state: dict) -> None:
         """Continue exactly where ``state`` (from ``state()``) was taken."""
@@ -56,6 +70,15 @@ class TrainIterator:
                             f"{self._rows_per_epoch} now (different data or seq_len)")
         self._halt()
         self._row = int(state["epoch"]) * self._rows_per_epoch + int(state["row"])
+        self._rollbacks = int(state.get("rollbacks", 0))
+        self._skipped_batches = int(state.get("skipped_batches", 0))
+
+    def skip(self, batches: int, rollbacks: int) -> None:
+        """Passes over the next ``batches`` batches (a rollback's bad data); ``rollbacks``
+        counts the rollbacks so far, since restoring an older state also restores its count."""
+        self._halt()
+        self._rollbacks, self._skipped_batches = rollbacks, self._skipped_batches + int(batches)
+        self._row += int(batches) * self._batch_rows
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self):

@@ -12,13 +12,14 @@ RoPE positions), ``segment_ids`` (int32, documents 1.. within a row, 0 for paddi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
-from data import batching, mixture, packing, selection, sources, tokenizer as tok_lib, tokens
+from data import batching, files, mixture, packing, selection, sources, tokenizer as tok_lib, tokens
 from data.batching import from_layout, to_layout  # noqa: F401  (part of the public API)
 from data.iterator import TrainIterator
 from errors import DataError
@@ -116,7 +117,10 @@ class Pipeline:
         parts = self.source.parts
         self.corpus, self.corpus_path = tokens.cached_corpus(
             d.cache_dir, key, self.fingerprint, self.tokenizer,
-            lambda: [sources.documents(p, max_docs) for p in parts], [p.description for p in parts])
+            lambda: [sources.documents(p, max_docs) for p in parts], [p.description for p in parts],
+            notes=lambda: {"bad_records": dataclasses.asdict(files.tally(parts))})
+        # From the cache's notes: a resumed run, which does not read the files, says the same.
+        self.bad_records = files.BadRecords(**tokens.meta(self.corpus_path).get("bad_records", {}))
 
     def _choose_documents(self, d) -> None:
         """Held-out and training documents, and the epoch's documents (repeats included)."""
@@ -176,6 +180,14 @@ class Pipeline:
     @property
     def tokens_per_epoch(self) -> int:
         return int(self.corpus.lengths[self.epoch_docs].sum() + self.epoch_docs.size)
+
+    def bad_records_line(self) -> str:
+        """One line on what data.bad_records=skip passed over ("" when nothing)."""
+        b = self.bad_records
+        if not b:
+            return ""
+        return (f"data: data.bad_records=skip left out {b.skipped} record(s) that are not JSON "
+                f"and replaced invalid UTF-8 in {b.replaced} (first: {b.first})")
 
     def plan_line(self) -> str:
         """One line on what the filter, upsampling and mixture did ("" when none is on)."""

@@ -5,8 +5,9 @@ A source yields documents (``str``) in a deterministic order and has a cheap ``s
 second run with unchanged inputs never reads them again.
 
 - ``stdlib``: the running Python's standard-library ``.py`` files (real text, no download).
-- ``text`` / ``jsonl`` / ``parquet``: local files, globs or a comma list, read with HF
-  ``datasets``; a text file is one document, jsonl/parquet rows are documents.
+- ``text`` / ``jsonl`` / ``parquet``: local files, globs or a comma list, read record by
+  record (data/files.py); a text file is one document, jsonl lines / parquet rows are
+  documents; a bad record is named by file and line or row (``data.bad_records``).
 - ``hf``: a hub dataset name or a local dataset directory (``save_to_disk`` output or a
   directory of data files), through the same ``datasets`` calls.
 - ``tfds``: a TFDS builder name (``data.path``) prepared under ``data.data_dir``; optional
@@ -24,7 +25,8 @@ import sys
 import sysconfig
 from typing import Iterator
 
-from data import mixture
+from data import files, mixture
+from data.files import one_line
 from errors import DataError
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
@@ -35,17 +37,6 @@ _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "t
 _EXTENSIONS = {"text": (".txt", ".text", ".md"), "jsonl": (".jsonl", ".json"),
                "parquet": (".parquet",)}
 _BATCH = 512  # rows pulled from a datasets table at a time
-
-
-def one_line(exc: BaseException) -> str:
-    """The innermost cause's message, first line only: datasets wraps errors in generic ones."""
-    for _ in range(32):  # chains are short; the bound only guards against a cycle
-        inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-        if inner is None:
-            break
-        exc = inner
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def _stat_signature(paths) -> str:
@@ -141,12 +132,13 @@ def _quiet_datasets():
 
 
 class FilesSource(Source):
-    """Local text / jsonl / parquet files, read with the ``datasets`` packaged builders."""
+    """Local text / jsonl / parquet files, read record by record (data/files.py): a bad record
+    is named by file and line or row, and stops the run or is passed over and counted."""
 
-    def __init__(self, kind: str, path: str, text_field: str, streaming: bool, cache_dir: str,
+    def __init__(self, kind: str, path: str, text_field: str, bad_records: str = "stop",
                  field: str = "data.path"):
-        self.kind, self.text_field, self.streaming = kind, text_field, streaming
-        self.cache_dir = os.path.join(cache_dir, "hf")
+        self.kind, self.text_field, self.bad_records = kind, text_field, bad_records
+        self.reader = files.Reader(kind, "text" if kind == "text" else text_field, bad_records)
         if not path.strip():
             raise DataError(f"data.path is empty: data.source={kind!r} needs a file, glob or "
                             f"comma list of {'/'.join(_EXTENSIONS[kind])} files")
@@ -163,25 +155,19 @@ class FilesSource(Source):
         self.description = (f"{kind} file {self.files[0]}" if len(self.files) == 1
                             else f"{len(self.files)} {kind} files ({self.files[0]}, ...)")
 
+    @property
+    def bad(self) -> files.BadRecords:
+        """What the last read passed over (data.bad_records=skip)."""
+        return self.reader.bad
+
     def signature(self) -> str:
         field = "" if self.kind == "text" else self.text_field
-        return f"{self.kind}:{field}:{_stat_signature(self.files)}"
+        # Skipping keeps other documents than stopping would; "stop" keeps the old key.
+        policy = ":skip-bad-records" if self.bad_records == "skip" else ""
+        return f"{self.kind}:{field}{policy}:{_stat_signature(self.files)}"
 
     def documents(self) -> Iterator[str]:
-        datasets = _quiet_datasets()
-        builder = {"text": "text", "jsonl": "json", "parquet": "parquet"}[self.kind]
-        # A text file is one document: lines or paragraphs would cut documents apart and
-        # the segment ids would then hide real context from attention.
-        extra = {"sample_by": "document"} if self.kind == "text" else {}
-        try:
-            ds = datasets.load_dataset(builder, data_files=self.files, split="train",
-                                       streaming=self.streaming, cache_dir=self.cache_dir, **extra)
-        except DataError:
-            raise
-        except Exception as e:
-            raise DataError(f"cannot read {self.description}: {one_line(e)}") from None
-        field = "text" if self.kind == "text" else self.text_field
-        yield from _rows_as_text(_text_column(ds, field, self.description), field, self.description)
+        return self.reader.documents(self.files)
 
 
 class HFSource(Source):
@@ -317,8 +303,7 @@ def _single(data_cfg, path: str, field: str = "data.path") -> Source:
     if kind == "stdlib":
         return StdlibSource()
     if kind in ("text", "jsonl", "parquet"):
-        return FilesSource(kind, path, data_cfg.text_field, data_cfg.streaming, data_cfg.cache_dir,
-                           field)
+        return FilesSource(kind, path, data_cfg.text_field, data_cfg.bad_records, field)
     if kind == "hf":
         return HFSource(path, data_cfg.hf_config, data_cfg.split, data_cfg.text_field,
                         data_cfg.streaming, data_cfg.cache_dir)

@@ -62,8 +62,9 @@ def tokenize(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str, descriptio
 
 
 def tokenize_parts(parts: Sequence[Iterable[str]], tokenizer: Tokenizer, out_dir: str,
-                   descriptions: Sequence[str]) -> Corpus:
-    """Encodes each part's documents, one part after the other, into one corpus in ``out_dir``."""
+                   descriptions: Sequence[str], notes: Callable[[], dict] = dict) -> Corpus:
+    """Encodes each part's documents, one part after the other, into one corpus in ``out_dir``;
+    ``notes()``, called once every document is read, adds facts of the read to meta.json."""
     dtype = _dtype(tokenizer.get_vocab_size(with_added_tokens=True))
     lengths, part_docs = [], []
     os.makedirs(out_dir, exist_ok=True)
@@ -94,29 +95,35 @@ def tokenize_parts(parts: Sequence[Iterable[str]], tokenizer: Tokenizer, out_dir
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump({"dtype": np.dtype(dtype).name, "num_docs": len(lengths),
                    "num_tokens": int(offsets[-1]), "part_docs": part_docs,
-                   "source": "; ".join(descriptions)}, f)
+                   "source": "; ".join(descriptions), **notes()}, f)
     return load(out_dir)
 
 
-def load(cache: str) -> Corpus:
+def meta(cache: str) -> dict:
+    """A cached corpus's meta.json: its size, parts, source and the notes of its read."""
     with open(os.path.join(cache, "meta.json")) as f:
-        meta = json.load(f)
+        return json.load(f)
+
+
+def load(cache: str) -> Corpus:
+    info = meta(cache)
     offsets = np.load(os.path.join(cache, "offsets.npy"))
     # Caches written before parts existed hold one part.
-    parts = np.concatenate([[0], np.cumsum(meta.get("part_docs", [meta["num_docs"]]))])
+    parts = np.concatenate([[0], np.cumsum(info.get("part_docs", [info["num_docs"]]))])
     parts = parts.astype(np.int64)
-    if meta["num_tokens"] == 0:  # np.memmap refuses empty files
-        return Corpus(np.zeros(0, meta["dtype"]), offsets, parts)
-    tokens = np.memmap(os.path.join(cache, "tokens.bin"), dtype=meta["dtype"], mode="r",
-                       shape=(meta["num_tokens"],))
+    if info["num_tokens"] == 0:  # np.memmap refuses empty files
+        return Corpus(np.zeros(0, info["dtype"]), offsets, parts)
+    tokens = np.memmap(os.path.join(cache, "tokens.bin"), dtype=info["dtype"], mode="r",
+                       shape=(info["num_tokens"],))
     return Corpus(tokens, offsets, parts)
 
 
 def cached_corpus(cache_dir: str, key: str, tokenizer_fingerprint: str, tokenizer: Tokenizer,
                   parts: Callable[[], Sequence[Iterable[str]]],
-                  descriptions: Sequence[str]) -> tuple[Corpus, str]:
+                  descriptions: Sequence[str], notes: Callable[[], dict] = dict
+                  ) -> tuple[Corpus, str]:
     """The corpus cached for (sources ``key``, tokenizer); ``parts()`` (each part's documents)
-    is only called on a miss."""
+    and ``notes()`` (tokenize_parts) are only called on a miss."""
     digest = hashlib.sha256(f"{VERSION}\0{tokenizer_fingerprint}\0{key}".encode()).hexdigest()
     root = os.path.join(os.path.expanduser(cache_dir), "tokens")
     path = os.path.join(root, f"{tokenizer_fingerprint}-{digest[:16]}")
@@ -125,7 +132,7 @@ def cached_corpus(cache_dir: str, key: str, tokenizer_fingerprint: str, tokenize
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
     try:
-        tokenize_parts(parts(), tokenizer, tmp, descriptions)
+        tokenize_parts(parts(), tokenizer, tmp, descriptions, notes)
         try:
             os.rename(tmp, path)  # atomic: a crash or a concurrent writer never leaves half a cache
         except OSError:

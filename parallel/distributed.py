@@ -19,9 +19,10 @@ ONE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+               process_id: int | None = None, heartbeat_timeout_s: int = 100) -> None:
     """Joins the process group given by the arguments or JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process."""
+    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process. A process that sends no
+    heartbeat for ``heartbeat_timeout_s`` is declared dead and every other one ends."""
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
     if process_id is None and "JAX_PROCESS_ID" in os.environ:
@@ -33,7 +34,26 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                          "(or JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID)")
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # ignored by GPU/TPU clients
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                               heartbeat_timeout_seconds=int(heartbeat_timeout_s))
+
+
+# Python-level errors of a collective or barrier whose peer is gone (gloo, NCCL, the
+# coordination service), as opposed to a bug, which keeps its traceback.
+_PEER_ERRORS = ("Gloo", "NCCL", "Connection reset by peer", "Connection closed by peer",
+                "heartbeat", "CoordinationService", "Barrier failed")
+
+
+def is_peer_error(e: BaseException) -> bool:
+    """Whether ``e`` or an error behind it says another process of the run is gone (orbax
+    wraps a failed barrier in its own timeout); see training/supervisor.py."""
+    for _ in range(32):  # chains are short; the bound only guards against a cycle
+        if e is None:
+            return False
+        if any(p in str(e) for p in _PEER_ERRORS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -20,9 +20,9 @@ from training.state import TrainState
 CFG = ConfigDict({"keep": 5, "keep_every": 0, "async_save": False})
 
 
-def state(width=4, value=1.0):
+def state(width=4, value=1.0, bad_step=-1):
     return TrainState(step=jnp.int32(3), params={"w": jnp.full((width,), value)},
-                      opt_state={"mu": jnp.zeros((width,))}, bad_step=jnp.int32(-1))
+                      opt_state={"mu": jnp.zeros((width,))}, bad_step=jnp.int32(bad_step))
 
 
 def abstract(width=4):
@@ -99,6 +99,64 @@ def test_model_and_tokenizer_check_from_run_metadata(tmp_path):
     with pytest.raises(CheckpointError, match="trained with tokenizer abc, but this config "
                                               "gives xyz"):
         Checkpoints(d, log=print).restore(abstract(), check=checker(config, "xyz"))
+
+
+def test_a_non_finite_checkpoint_is_skipped_in_one_line_and_set_aside(tmp_path):
+    """Runs from before the check saved diverged states; a restore never continues from one."""
+    ckpts = Checkpoints(tmp_path, CFG, log=lambda m: None)
+    ckpts.save(1, state(value=1.0), {"row": 1}, {})
+    ckpts.save(2, state(value=float("nan")), {"row": 2}, {})
+    ckpts.save(3, state(value=3.0, bad_step=1), {"row": 3}, {})
+    ckpts.wait()
+    said = []
+    got = Checkpoints(tmp_path, CFG, log=said.append).restore(abstract())
+    assert got.step == 1 and got.data == {"row": 1}
+    assert said[:2] == [
+        f"checkpoint: skipping step 3 ({tmp_path / '3'}): its state is not finite (training "
+        f"diverged at step 2, before this save)",
+        f"checkpoint: skipping step 2 ({tmp_path / '2'}): its parameters are not finite (NaN "
+        f"or inf)"]
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "skipped").iterdir()) == ["2", "3"]
+
+
+def test_rollback_targets_keep_two_and_the_missing_step_is_one_line(tmp_path):
+    ckpts = Checkpoints(tmp_path, ConfigDict({"keep": 1, "keep_every": 0, "async_save": False}),
+                        log=lambda m: None)
+    for s in range(1, 5):
+        ckpts.save(s, state(value=float(s)), {"row": s}, {})
+    ckpts.wait()
+    assert ckpts.steps() == [3, 4]  # keep=1 still keeps the one before the newest
+    assert ckpts.restore(abstract(), below=4).step == 3
+    ckpts.discard_after(3)
+    assert ckpts.steps() == [3] and (tmp_path / "skipped").is_dir()
+    with pytest.raises(CheckpointError) as e:
+        ckpts.restore(abstract(), step=7)
+    assert str(e.value) == f"no checkpoint for step 7 in {tmp_path} (steps there: [3])"
+
+
+def test_no_complete_checkpoint_is_one_line(tmp_path):
+    d = saved(tmp_path, steps=(1,))
+    (d / "1" / "commit_success.txt").unlink()
+    with pytest.raises(CheckpointError) as e:
+        Checkpoints(d, log=lambda m: None).restore(abstract())
+    assert str(e.value) == (f"no checkpoint in {d} could be restored: step 1: it has no "
+                            f"commit_success.txt (the write never committed) (move the "
+                            f"directory aside to start fresh)")
+
+
+def test_a_write_error_names_the_os_cause():
+    from checkpoints.storage import cause
+    inner = ValueError('RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database: Failed to write '
+                       '97715 bytes to file 5: No space left on device [os_error_code=\'28\']')
+    try:
+        try:
+            raise inner
+        except ValueError as e:
+            raise TimeoutError("Timed out while waiting for the commit") from e
+    except TimeoutError as outer:
+        assert cause(outer) == "No space left on device"
+    assert cause(OSError(13, "Permission denied")) == "Permission denied"
+    assert cause(RuntimeError("tensorstore: something else\nmore")) == "tensorstore: something else"
 
 
 def test_locate_accepts_run_checkpoints_and_step_directories(tmp_path):

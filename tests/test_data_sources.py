@@ -167,11 +167,58 @@ def test_text_field_that_is_not_text(tmp_path):
     assert_one_line(e, "holds int values, not text")
 
 
-def test_malformed_jsonl(tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+# A torn line (a writer killed mid-line) and bytes that are not UTF-8, each among good lines.
+TORN = b'{"text": "fine"}\n\n{"text": "cut off he\n{"text": "after"}\n'
+NOT_UTF8 = b'{"text": "fine"}\n{"text": "caf\xe9 latin-1"}\n{"text": "after"}\n'
+
+
+@pytest.mark.parametrize("content,where,why", [
+    (TORN, "line 3", "not JSON (Unterminated string starting at column 10)"),
+    (NOT_UTF8, "line 2", "not UTF-8 (byte 0xe9 at column 14)"),
+])
+def test_a_bad_jsonl_record_names_its_file_and_line(tmp_path, content, where, why):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(content)
     with pytest.raises(DataError) as e:
-        read(data_cfg(tmp_path, source="jsonl", path=str(tmp_path / "a.jsonl")))
-    assert_one_line(e, "cannot read jsonl file")
+        read(data_cfg(tmp_path, source="jsonl", path=str(path)))
+    assert_one_line(e, f"{path} {where}: {why}", "data.bad_records=skip")
+
+
+def test_skip_leaves_out_torn_records_and_replaces_invalid_utf8(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(TORN)
+    (tmp_path / "b.jsonl").write_bytes(NOT_UTF8)
+    source = make_source(data_cfg(tmp_path, source="jsonl", path=str(tmp_path / "*.jsonl"),
+                                  bad_records="skip"))
+    assert list(documents(source)) == ["fine", "after", "fine", "caf\ufffd latin-1", "after"]
+    assert (source.bad.skipped, source.bad.replaced) == (1, 1)
+    assert source.bad.first.startswith(f"{tmp_path / 'a.jsonl'} line 3: not JSON")
+    stop = make_source(data_cfg(tmp_path, source="jsonl", path=str(tmp_path / "*.jsonl")))
+    assert stop.signature() != source.signature()  # skipping keeps other documents: other caches
+
+
+def test_text_and_parquet_name_the_line_or_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "a.txt").write_bytes(b"one\ntwo \xff\n")
+    with pytest.raises(DataError) as e:
+        read(data_cfg(tmp_path, source="text", path=str(tmp_path / "a.txt")))
+    assert_one_line(e, f"{tmp_path / 'a.txt'} line 2: not UTF-8 (byte 0xff at column 5)")
+    assert read(data_cfg(tmp_path, source="text", path=str(tmp_path / "a.txt"),
+                         bad_records="skip")) == ["one\ntwo \ufffd\n"]
+    pq.write_table(pa.table({"text": [b"good", b"bad \xff", b"good"]}), tmp_path / "b.parquet")
+    with pytest.raises(DataError) as e:
+        read(data_cfg(tmp_path, source="parquet", path=str(tmp_path / "b.parquet")))
+    assert_one_line(e, f"{tmp_path / 'b.parquet'} row 1: not UTF-8")
+    pq.write_table(pa.table({"text": ["a", None, "b"], "n": [1, 2, 3]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError) as e:
+        read(data_cfg(tmp_path, source="parquet", path=str(tmp_path / "c.parquet"),
+                      text_field="n"))
+    assert_one_line(e, f"data.text_field 'n' of {tmp_path / 'c.parquet'} row 0 holds int")
+    data = (tmp_path / "c.parquet").read_bytes()
+    (tmp_path / "c.parquet").write_bytes(data[:len(data) // 2])  # truncated
+    with pytest.raises(DataError) as e:
+        read(data_cfg(tmp_path, source="parquet", path=str(tmp_path / "c.parquet")))
+    assert_one_line(e, f"cannot read {tmp_path / 'c.parquet'}: ")
 
 
 def test_unknown_source(tmp_path):

@@ -2,9 +2,11 @@
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -45,6 +47,74 @@ def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
     assert proc.returncode == 2
     assert "error: process" in proc.stderr and "exited with code 2" in proc.stderr
     assert "attention.layout='spiral' is not one of" in proc.stdout
+
+
+HEARTBEAT_S = 6
+
+
+def start_host(workdir, cache, port=None, i=0, devices=1) -> subprocess.Popen:
+    """Process i of a two-process run, started as on its own host (its own process group); or,
+    without a port, the same run in one process on ``devices`` simulated devices."""
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
+           *SMALL, "--config.train.steps=8", "--config.checkpoint.every=2",
+           "--config.train.eval_every=0", "--config.data.seq_len=128",
+           "--config.attention.impl=dense", f"--config.data.cache_dir={ROOT}/.cache/data",
+           f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}"]
+    if port is not None:
+        cmd += ["--coordinator", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)]
+    host_env = dict(env(), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                    PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(cache),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return subprocess.Popen(cmd, cwd=ROOT, env=host_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def losses(workdir) -> dict[int, float]:
+    return {r["step"]: r["loss"]
+            for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_path):
+    """Process 1's host dies (SIGKILL of its process group) after step 5. Process 0 exits within
+    distributed.heartbeat_timeout_s, code 3, with one line on stderr naming process 1 and the
+    newest complete checkpoint (the native detail goes to WORKDIR/logs). The same command on
+    both hosts resumes from that checkpoint, and the whole curve is that of an uninterrupted
+    run (the same mesh in one process: two-device sums are the same in any order)."""
+    from parallel.distributed import free_port
+    workdir, cache = tmp_path / "run", tmp_path / "jax_cache"
+    port = free_port()
+    hosts = [start_host(workdir, cache, port, i) for i in (0, 1)]
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
+        assert hosts[0].poll() is None and time.monotonic() < deadline, hosts[0].poll()
+        time.sleep(0.05)
+    killed = time.monotonic()
+    os.killpg(hosts[1].pid, signal.SIGKILL)  # the host: its process and the training it watches
+    # The uninterrupted run to compare with, while the survivor waits out the heartbeats.
+    reference = start_host(tmp_path / "uninterrupted", cache, devices=2)
+    code = hosts[0].wait(timeout=HEARTBEAT_S + 60)
+    took = time.monotonic() - killed
+    err = hosts[0].communicate()[1]
+    hosts[1].wait()
+    ckpt = workdir / "checkpoints"
+    step = max(int(p.name) for p in ckpt.iterdir()
+               if p.name.isdigit() and (p / "commit_success.txt").is_file())
+    assert code == 3 and took < HEARTBEAT_S + 10, (code, took, err[-3000:])
+    assert err.splitlines() == [
+        f"error: process 1 stopped answering (no heartbeat for distributed.heartbeat_timeout_s="
+        f"{HEARTBEAT_S} s), so process 0 stopped; newest complete checkpoint: step {step} "
+        f"({ckpt / str(step)}); rerun the same command on every host to resume (details: "
+        f"{workdir / 'logs' / 'process0.log'})"]
+    assert "stopped sending heartbeats" in (workdir / "logs" / "process0.log").read_text()
+
+    port = free_port()
+    hosts = [start_host(workdir, cache, port, i) for i in (0, 1)]
+    outs = [h.communicate(timeout=300) for h in hosts]
+    assert [h.returncode for h in hosts] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert f"resuming from step {step} ({ckpt / str(step)})" in outs[0][0]
+    assert reference.wait(timeout=300) == 0, reference.communicate()[1][-3000:]
+    assert losses(workdir) == losses(tmp_path / "uninterrupted")
 
 
 @pytest.mark.parametrize("mask", ["off", "on"])

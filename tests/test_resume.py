@@ -217,6 +217,26 @@ def test_restore_from_all_state_of_one_step(reference, tmp_path):
                        .read_text())
     rows = lambda d: d["epoch"] * d["rows_per_epoch"] + d["row"]  # noqa: E731
     assert rows(after) == rows(before) + 2 * 4  # the data position came along
+    # Run again (as after a preemption), the same command resumes its own progress.
+    out = tr.train(workdir, **{"checkpoint.restore_from": step_dir, "train.steps": tr.STEPS + 2})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (f"checkpoint.restore_from={step_dir} is ignored: this run resumes from its own "
+            f"checkpoints") in out.stdout
+    assert f"resuming from step {tr.STEPS + 2} ({workdir / 'checkpoints' / str(tr.STEPS + 2)})" \
+        in out.stdout
+
+
+def test_resuming_an_import_of_weights_only_is_refused(reference, tmp_path):
+    """scripts/convert_hf.py import writes weights without an optimizer state or data position:
+    a run directory made of one is a start, never something to resume."""
+    from training.loop import run
+    workdir = tmp_path / "imported"
+    shutil.copytree(reference, workdir)
+    meta = workdir / "checkpoints" / str(tr.STEPS) / "meta" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "params_only": True}))
+    with pytest.raises(CheckpointError, match=f"checkpoint step {tr.STEPS} .* holds weights only "
+                                              f".* --config.checkpoint.restore_weights_only=True"):
+        run(tr.config(), workdir)
 
 
 def test_restore_onto_four_devices_contiguous(reference):

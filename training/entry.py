@@ -12,12 +12,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def main_with_errors(config, workdir, coordinator=None, num_processes=None,
                      process_id=None) -> int:
-    from parallel.distributed import initialize
+    from parallel.distributed import initialize, is_peer_error
+    heartbeat_s = config.distributed.heartbeat_timeout_s
     try:
-        initialize(coordinator, num_processes, process_id)
+        initialize(coordinator, num_processes, process_id, heartbeat_s)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import jax
+
+    from training import supervisor
     from training.loop import Diverged, run
     try:
         summary = run(config, workdir)
@@ -27,7 +31,10 @@ def main_with_errors(config, workdir, coordinator=None, num_processes=None,
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    import jax
+    except Exception as e:
+        if jax.process_count() > 1 and is_peer_error(e):
+            supervisor.end_for_lost_peer(e, heartbeat_s)  # never returns
+        raise
     if jax.process_count() > 1 and summary.get("final_loss") is not None:
         # Every process reports: a launcher (and its test) can check that they agree.
         print(f"process {jax.process_index()}/{jax.process_count()}: final loss "

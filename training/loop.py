@@ -14,15 +14,12 @@ from checkpoints.resume import run_meta, start_state
 from errors import ConfigError
 from model.flops import flops_per_token, param_count
 from parallel.mesh import make_mesh
+from training.divergence import Diverged, Divergence  # noqa: F401  (Diverged: entry.py's)
 from training.logger import MetricsLogger
 from training.mfu import peak_flops_total
 from training.optim import schedule
 from training.state import Trainer
 from training.validate import validate
-
-
-class Diverged(RuntimeError):
-    """The loss became NaN or inf."""
 
 
 def check_workdir(workdir: pathlib.Path, fingerprint: str):
@@ -80,7 +77,8 @@ def run(config, workdir: pathlib.Path) -> dict:
     """Trains ``config`` in ``workdir``; returns a summary (first/last eval loss, paths).
 
     Resumes from the newest complete checkpoint in ``workdir`` (or starts from
-    ``checkpoint.restore_from``); on SIGTERM/SIGINT finishes the step, saves and returns."""
+    ``checkpoint.restore_from``); on SIGTERM/SIGINT finishes the step, saves and returns; a
+    non-finite loss stops the run or rolls it back (training/divergence.py), never saved."""
     validate(config, jax.device_count())
     from data.pipeline import make_pipeline  # imports datasets/tokenizers: after validation
 
@@ -93,9 +91,9 @@ def run(config, workdir: pathlib.Path) -> dict:
     ckpts = None
     try:
         ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint, log=log.write)
-        plan = pipe.plan_line()
-        if plan:
-            log.write(plan)
+        for line in (pipe.plan_line(), pipe.bad_records_line()):
+            if line:
+                log.write(line)
         start, state = start_state(config, trainer, pipe, ckpts, log.write)
         # Only now, with the checkpoint found to fit this config, is the config recorded.
         write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint)
@@ -141,8 +139,10 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     lr_at(0).block_until_ready()
     pending, clock, clock_step, t_first = None, None, start, time.perf_counter()
     stopped, latest = None, {}
+    divergence = Divergence(config, trainer, pipe, ckpts, log.write)
 
-    def flush(pending):
+    def flush(pending) -> int | None:
+        """Logs a pending log step; returns the first non-finite step instead, if any."""
         nonlocal clock, clock_step
         step, metrics = pending
         # The clock reads when step `step` is done, not when its metrics reach the host: a
@@ -152,9 +152,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         now = time.perf_counter()
         metrics = jax.device_get(metrics)
         if metrics["bad_step"] >= 0:
-            raise Diverged(f"loss became {float(metrics['loss'])} at step "
-                           f"{int(metrics['bad_step']) + 1}; lower train.lr or raise "
-                           f"train.warmup_steps (last checkpoint: step {ckpts.latest_step()})")
+            return int(metrics["bad_step"]) + 1
         if step == clock_step:  # the compile step itself: its wall time, compile included
             tps = tokens_per_step / max(clock - t_first, 1e-9)
         else:
@@ -164,31 +162,49 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         log.train({"step": step, "loss": latest["loss"],
                    "grad_norm": float(metrics["grad_norm"]), "lr": float(lr_at(step - 1)),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / peak})
+        return None
+
+    def first_bad() -> int | None:
+        """The state's first non-finite step: read before every save, never only at log time."""
+        bad = int(state.bad_step)
+        return bad + 1 if bad >= 0 else None
 
     def save(step, force=False):
         ckpts.save(step, state, pipe.train.state(), meta, force=force)
 
+    step = start
     with StopOnSignal() as stop:
-        for step in range(start + 1, t.steps + 1):
+        while step < t.steps:
+            step += 1
             state, metrics = trainer.train_step(state, next(pipe.train))
+            bad = None
             if clock is None:  # the first step compiles: keep it out of tokens/s
                 jax.block_until_ready(metrics)
                 clock, clock_step = time.perf_counter(), step
             elif pending is not None:  # read the previous log step only after dispatching this one
-                flush(pending)
-                pending = None
+                bad, pending = flush(pending), None
             if step % t.log_every == 0 or step == t.steps:
                 pending = (step, metrics)
             log.advance()
-            if config.checkpoint.every and step % config.checkpoint.every == 0 and step != t.steps:
+            stopping = step != t.steps and should_stop(stop, ckpts.manager, step)
+            last = stopping or step == t.steps
+            if last and pending is not None and bad is None:
+                bad, pending = flush(pending), None
+            periodic = bool(config.checkpoint.every) and step % config.checkpoint.every == 0
+            if bad is None and (last or periodic):
+                bad = first_bad()
+            if bad is not None:
+                step, state = divergence.handle(bad, step)
+                forget_after(workdir, step)  # the steps after it are trained again
+                pending, clock, t_first = None, None, time.perf_counter()
+                continue
+            if periodic and step != t.steps:
                 save(step)
             if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                 do_eval(step)
-            if step != t.steps and should_stop(stop, ckpts.manager, step):
-                stopped = step
+            if last:
+                stopped = step if stopping else None
                 break
-        if pending is not None:
-            flush(pending)
         if stopped is not None:
             save(stopped, force=True)
             ckpts.wait()

@@ -22,7 +22,7 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: Any  # pure nested dict of fp32 arrays (nnx.to_pure_dict layout)
     opt_state: Any
-    bad_step: jax.Array  # int32: first step whose loss was not finite, -1 while all are
+    bad_step: jax.Array  # int32: first step whose loss or gradient norm was not finite, else -1
 
 
 class Trainer:
@@ -118,10 +118,11 @@ class Trainer:
         loss, count, grads = self.gradients(state.params, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(loss)
+        grad_norm = optax.tree.norm(grads)
+        # An inf gradient with a finite loss poisons the parameters just the same.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         bad_step = jnp.where((state.bad_step < 0) & ~finite, state.step, state.bad_step)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count,
-                   "bad_step": bad_step}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "bad_step": bad_step}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           bad_step=bad_step), metrics
 

@@ -1,6 +1,7 @@
 """Config validation before anything compiles: each mistake is one line naming field and fix."""
 from __future__ import annotations
 
+from data.files import POLICIES as BAD_RECORDS
 from data.mixture import check_fields as check_long_context_data
 from errors import ConfigError, DataError, LayoutError, MeshError
 from model import rope
@@ -13,6 +14,7 @@ from parallel.mesh import mesh_shape
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
 IMPLS = ("ring", "allgather", "ulysses", "usp", "dense")
 WANDB_MODES = ("disabled", "offline", "online")
+ON_NONFINITE = ("stop", "rollback")
 
 
 def _need(ok: bool, msg: str):
@@ -98,6 +100,8 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
                 raise ConfigError(f"{e} [kernel {kernel}]") from None
     _need(0 < d.heldout_fraction < 1, f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
     _need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
+    _need(d.bad_records in BAD_RECORDS,
+          f"data.bad_records={d.bad_records!r} is not one of {', '.join(BAD_RECORDS)}")
     try:
         check_long_context_data(d)
     except DataError as e:
@@ -113,8 +117,13 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(t.loss_chunk >= 0,
           f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per loss chunk; 0 = no chunking)")
     _need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be >= 0 (0 = device table)")
+    _need(t.on_nonfinite in ON_NONFINITE,
+          f"train.on_nonfinite={t.on_nonfinite!r} is not one of {', '.join(ON_NONFINITE)}")
+    _need(t.max_rollbacks >= 0, f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
     _need(k.every >= 0 and k.keep >= 1,
           f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")
+    _need(config.distributed.heartbeat_timeout_s >= 1,
+          f"distributed.heartbeat_timeout_s={config.distributed.heartbeat_timeout_s} must be >= 1")
     _need(config.wandb.mode in WANDB_MODES,
           f"wandb.mode={config.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     return sizes
