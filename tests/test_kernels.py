@@ -17,7 +17,7 @@ import pytest
 from parallel import blockwise as bw
 from parallel import kernels
 from parallel.kernels import fused, tables
-from parallel.kernels.spec import RoundSpec
+from parallel.kernels.spec import RoundSpec, Tile
 from parallel.layouts import permutation
 from test_attention import (B, D, L, check, inputs, reference, rel_err, random_segments,
                             ring_mesh, ring_outputs, run_all_layouts)
@@ -144,7 +144,8 @@ def test_visit_table_covers_every_visible_pair(rng, ordered):
 
 def _spec(kernel, hq, hkv, has_seg=True):
     interp = kernels.interpret(kernel, jax.devices()[0].platform)
-    return RoundSpec(kernel, 8, 4 if interp else 16, hq // hkv, hkv, D, 1.0 / math.sqrt(D), True,
+    tile = Tile(8, 4) if interp else Tile(16, 16)
+    return RoundSpec(kernel, tile, tile, tile, hq // hkv, hkv, D, 1.0 / math.sqrt(D), True,
                      has_seg, interp)
 
 
@@ -167,7 +168,7 @@ def test_rows_with_no_visible_key_and_empty_rounds(rng, kernel):
     query = fused.prepare(jnp.asarray(q), q_pos, q_seg, spec)
     acc0 = bw.init_acc(bw.to_q_major(jnp.asarray(q), hkv).astype(jnp.float32))
 
-    assert not bool(fused._visits(spec, query, future).any)
+    assert not bool(fused._visits(spec, spec.fwd, query, future).any)
     after_future = fused.attend(spec, query, future, acc0)
     for x, y in zip(after_future, acc0):
         assert np.array_equal(np.asarray(x), np.asarray(y))
@@ -218,7 +219,8 @@ def test_tpu_kernels_lower_to_mosaic():
     tpu_info.registry.setdefault(kind, lambda: tpu_info.get_tpu_info_for_chip(
         tpu_info.ChipVersion.TPU_V5E, 1))
     g, kh, c = 2, 2, 1024
-    spec = RoundSpec("pallas_tpu", 128, 128, g, kh, 128, 128 ** -0.5, True, True, False)
+    tile = Tile(128, 128)
+    spec = RoundSpec("pallas_tpu", tile, tile, tile, g, kh, 128, 128 ** -0.5, True, True, False)
     sds = jax.ShapeDtypeStruct
     q, k = sds((kh, c * g, 128), jnp.bfloat16), sds((kh, c, 128), jnp.bfloat16)
     table, rows = sds((1, c // 128, 4), jnp.int32), sds((1, c * g), jnp.int32)
