@@ -16,7 +16,7 @@ import pytest
 
 from parallel import blockwise as bw
 from parallel import kernels
-from parallel.kernels import fused, tables
+from parallel.kernels import fused, tables, tiling
 from parallel.kernels.spec import RoundSpec, Tile
 from parallel.layouts import permutation
 from test_attention import (B, D, L, check, inputs, reference, rel_err, random_segments,
@@ -81,6 +81,63 @@ def test_auto_resolves_per_platform():
     assert not kernels.interpret("xla", "cpu")
     with pytest.raises(kernels.KernelError, match="valid: auto, xla, pallas_gpu, pallas_tpu"):
         kernels.resolve("triton", "gpu")
+
+
+# ----------------------------------------------------------------------------- default tiles
+
+CHUNKS = [1 << i for i in range(7, 16)]  # 128 .. 32768 tokens per device
+
+
+@pytest.mark.parametrize("kernel,arch", [("pallas_gpu", "sm_80"), ("pallas_gpu", "sm_86"),
+                                         ("pallas_gpu", "sm_90"), ("pallas_tpu", None)])
+def test_default_tiles_fit_every_model(kernel, arch):
+    """Every query-head group 1..16, head dim and chunk: the default tiles divide the chunk (the
+    chunk itself when shorter), and every array a Triton program holds is a power of two >= 16
+    (its q rows are block_q of one head: pallas_gpu.py), or Mosaic's tile rules hold."""
+    for group, head_dim, chunk, dtype in itertools.product(range(1, 17), (64, 128, 256), CHUNKS,
+                                                           ("bfloat16", "float16")):
+        tiles = tiling.plan(kernel, None, None, group=group, head_dim=head_dim, dtype=dtype,
+                            chunk=chunk, seq_len=chunk * 8, shards=8, interpret=False,
+                            arch=arch or "sm_90")
+        for t in tiles:
+            assert chunk % t.block_q == 0 and chunk % t.block_kv == 0, (group, head_dim, chunk, t)
+            if kernel == "pallas_gpu":
+                for side in (t.block_q, t.block_kv, head_dim):
+                    assert side >= 16 and side & (side - 1) == 0, (group, head_dim, chunk, t)
+            else:
+                assert (t.block_q * group) % 8 == 0 and t.block_q * group <= max(512, group * 8)
+                assert t.block_kv % 128 == 0
+
+
+@pytest.mark.parametrize("kernel,block_q,block_kv,message", [
+    ("pallas_gpu", 24, 16, "block_q=24 does not divide the per-device chunk of 128 tokens"),
+    ("pallas_gpu", 8, 16, "block_q=8: the Triton kernel (pallas_gpu) needs powers of two >= 16"),
+    ("pallas_tpu", 8, 64, "block_kv=64: the Mosaic kernel (pallas_tpu) needs a multiple of 128"),
+])
+def test_a_tile_the_kernel_cannot_run_is_one_line(kernel, block_q, block_kv, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        tiling.plan(kernel, block_q, block_kv, group=3, head_dim=128, dtype="bfloat16", chunk=128,
+                    seq_len=512, shards=4, interpret=False)
+    assert "\n" not in str(e.value)
+    # interpret mode (a CPU) runs any tile that divides the chunk
+    if "divide" not in message:
+        tiling.plan(kernel, block_q, block_kv, group=3, head_dim=128, dtype="bfloat16", chunk=128,
+                    seq_len=512, shards=4, interpret=True)
+
+
+@pytest.mark.parametrize("group", [3, 5, 6, 7])
+@pytest.mark.parametrize("kernel", PALLAS)
+def test_any_group_with_default_tiles(rng, kernel, group):
+    """GQA groups that are no power of two, with the kernels' default tiles (clamped to the
+    chunk here), packed documents, every layout, against the float64 reference."""
+    run_all_layouts(rng, 2, (group, 1), "packed", layouts=LAYOUTS, kernel=kernel)
+
+
+def test_uneven_group_over_many_tiles(rng):
+    """Group 3 with several q and kv tiles per chunk: the dK/dV program steps through each q
+    tile of each query head (pallas_gpu.py), masked and unmasked."""
+    run_all_layouts(rng, 2, (6, 2), "causal", layouts=[("striped", 1), ("zigzag", 1)],
+                    block_q=8, block_kv=4, kernel="pallas_gpu")
 
 
 # ----------------------------------------------------------------------------- visit tables

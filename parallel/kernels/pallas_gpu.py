@@ -70,7 +70,7 @@ class _Blocks:
 
     def __init__(self, spec: RoundSpec, tile: Tile, q_BKCGD, ck, per_q_tile: bool):
         bk_, cq, g, d = q_BKCGD.shape
-        kh = spec.kv_heads
+        kh, self.params = spec.kv_heads, _params(spec, tile)
         if per_q_tile:
             self.grid = (cq // tile.block_q, g, bk_)
             q_block, kb = (None, tile.block_q, None), ck
@@ -87,11 +87,11 @@ class _Blocks:
         self.q_vec = pl.BlockSpec(q_block, batch(qi))
         self.k_vec = pl.BlockSpec((None, kb), batch(ki))
 
-    def call(self, kernel, spec: RoundSpec, tile: Tile, ins, out_specs, out_shape, name):
+    def call(self, kernel, ins, out_specs, out_shape, name):
         """``ins``: the (in_spec, arg) pairs of :func:`_inputs`."""
         specs, args = zip(*ins)
         return pl.pallas_call(kernel, grid=self.grid, in_specs=list(specs), out_specs=out_specs,
-                              out_shape=out_shape, name=name, **_params(spec, tile))(*args)
+                              out_shape=out_shape, name=name, **self.params)(*args)
 
 
 def _inputs(blocks, spec, table, q_BKCGD, k, v, q_pos, k_pos, q_seg, k_seg, bwd=()):
@@ -143,7 +143,7 @@ def forward(spec: RoundSpec, table, q, k, v, q_pos, k_pos, q_seg=None, k_seg=Non
     ins = _inputs(blocks, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg)
     out_shape = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
-    o, lse = blocks.call(functools.partial(_fwd_kernel, spec=spec), spec, spec.fwd, ins,
+    o, lse = blocks.call(functools.partial(_fwd_kernel, spec=spec), ins,
                          (blocks.rows, blocks.row_stat), out_shape, "ring_round_fwd")
     return _fold(o), _fold(lse)
 
@@ -178,7 +178,7 @@ def backward_dq(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q
     q = _heads(q, spec.group)
     blocks = _Blocks(spec, spec.dq, q, k.shape[1], per_q_tile=True)
     ins = _inputs(blocks, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
-    dq = blocks.call(functools.partial(_dq_kernel, spec=spec), spec, spec.dq, ins, blocks.rows,
+    dq = blocks.call(functools.partial(_dq_kernel, spec=spec), ins, blocks.rows,
                      jax.ShapeDtypeStruct(q.shape, jnp.float32), "ring_round_dq")
     return _fold(dq)
 
@@ -216,5 +216,5 @@ def backward_dkv(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, 
     blocks = _Blocks(spec, spec.dkv, q, k.shape[1], per_q_tile=False)
     ins = _inputs(blocks, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
     out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-    return blocks.call(functools.partial(_dkv_kernel, spec=spec), spec, spec.dkv, ins,
+    return blocks.call(functools.partial(_dkv_kernel, spec=spec), ins,
                        (blocks.kv, blocks.kv), (out, out), "ring_round_dkv")

@@ -25,38 +25,49 @@ XLA_TILE = 512  # positions, both sides (attention.block_q / block_kv's default)
 TPU_ROWS, TPU_KV = 512, 512  # q rows (positions x group) and keys per Mosaic tile
 TRITON_MIN = 16  # the smallest side of a Triton dot
 
-# Shared memory a block may use (the opt-in maximum), bytes.
-SMEM_LIMIT = {"sm_80": 166_912, "sm_90": 232_448}
+# Shared memory a block may use (the opt-in maximum), bytes: A100 (sm_80); the other Amperes
+# and Ada, e.g. A10, L4, RTX 4090 (sm_86 / sm_89: the sm_86 row); H100 / H200 (sm_90).
+SMEM_LIMIT = {"sm_80": 166_912, "sm_86": 101_376, "sm_90": 232_448}
 
-# (arch, head_dim, dtype) -> (forward, dQ, dK/dV) tiles. Chosen from the compile report of
-#     python scripts/gpu_compile.py --sweep --json tiles.json
-# (every candidate compiled for the arch by the triton package: the largest q/kv tiles, then
-# warps, then stages, with no spill and within SMEM_LIMIT; with segment ids, the bigger kernel).
+# (arch, head_dim) -> (forward, dQ, dK/dV) tiles: Tile(block_q, block_kv, num_warps, num_stages).
+# Chosen by
+#     python scripts/gpu_compile.py --sweep --arch sm_80,sm_86,sm_90 --dtypes bfloat16
+# (planning/tile_sweep.py: every candidate compiled for the arch by the triton package; the
+# largest tile, then warps, then stages, with and without segment ids, for groups 1, 4 and 7,
+# with no spill, 8 KiB under SMEM_LIMIT and with tensor-core instructions). fp16 compiles the
+# same (python scripts/gpu_compile.py reports every default clean); fp32 halves the tiles.
 GPU_TILES = {
-    (arch, d, dt): (Tile(64, 64, 4 if d <= 64 else 8, 2),) * 3
-    for arch in SMEM_LIMIT for d in (64, 128, 256) for dt in ("bfloat16", "float16")
+    ("sm_90", 64): (Tile(128, 128, 8, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 3)),
+    ("sm_90", 128): (Tile(128, 128, 8, 2), Tile(128, 64, 8, 3), Tile(128, 64, 8, 1)),
+    ("sm_90", 256): (Tile(64, 32, 8, 3), Tile(64, 32, 8, 3), Tile(128, 16, 8, 2)),
+    ("sm_80", 64): (Tile(128, 128, 8, 3), Tile(128, 64, 8, 3), Tile(128, 32, 4, 2)),
+    ("sm_80", 128): (Tile(64, 128, 8, 2), Tile(64, 128, 8, 2), Tile(128, 64, 8, 2)),
+    ("sm_80", 256): (Tile(32, 128, 8, 2), Tile(64, 64, 8, 2), Tile(64, 32, 8, 2)),
+    ("sm_86", 64): (Tile(128, 128, 8, 3), Tile(128, 64, 8, 3), Tile(128, 32, 4, 3)),
+    ("sm_86", 128): (Tile(64, 128, 8, 1), Tile(64, 128, 8, 1), Tile(64, 64, 8, 2)),
+    ("sm_86", 256): (Tile(64, 64, 8, 1), Tile(64, 16, 8, 2), Tile(16, 64, 8, 2)),
 }
 
 
 def gpu_arch(device=None) -> str:
-    """The ``GPU_TILES`` architecture of a device: sm_80 for compute capability 8.x, sm_90 for
-    9.0 and above, and sm_90 when there is none (a CPU: interpret mode, or an export)."""
+    """The ``GPU_TILES`` architecture of a device, from its compute capability: sm_80 for 8.0,
+    sm_86 for the other 8.x, sm_90 for 9.0 and above and when there is none (a CPU: interpret
+    mode, or an export)."""
     cc = getattr(device, "compute_capability", None)
-    if not cc:
+    if not cc or float(cc) >= 9:
         return "sm_90"
-    return "sm_80" if float(cc) < 9 else "sm_90"
+    return "sm_80" if float(cc) == 8.0 else "sm_86"
 
 
 def _gpu_entry(arch, head_dim, dtype):
     """The table row of the nearest head dim at or above ``head_dim`` (else the largest); fp32
-    inputs take the 16-bit row with tiles halved (operands twice the size in registers)."""
-    dims = sorted({d for (_, d, _) in GPU_TILES})
-    d = next((x for x in dims if x >= head_dim), dims[-1])
+    inputs hold twice the bytes per operand in registers and shared memory: half the tiles."""
+    dims = sorted({d for (_, d) in GPU_TILES})
+    row = GPU_TILES[(arch, next((x for x in dims if x >= head_dim), dims[-1]))]
     if dtype in ("bfloat16", "float16"):
-        return GPU_TILES[(arch, d, dtype)]
+        return row
     return tuple(t._replace(block_q=max(TRITON_MIN, t.block_q // 2),
-                            block_kv=max(TRITON_MIN, t.block_kv // 2))
-                 for t in GPU_TILES[(arch, d, "bfloat16")])
+                            block_kv=max(TRITON_MIN, t.block_kv // 2)) for t in row)
 
 
 def defaults(kernel: str, group: int, head_dim: int, dtype: str, arch: str = "sm_90"):
@@ -112,8 +123,9 @@ def _check(kernel, names, tile: Tile, group, head_dim, chunk):
             if not (_pow2(b) and b >= TRITON_MIN):
                 raise KernelError(f"{name}={b}: the Triton kernel (pallas_gpu) needs {valid}")
         if not (_pow2(head_dim) and head_dim >= TRITON_MIN):
-            raise KernelError(f"head dim {head_dim}: the Triton kernel (pallas_gpu) needs a power "
-                              f"of two >= {TRITON_MIN}; use attention.kernel=xla")
+            raise KernelError(f"head dim {head_dim} (model.head_dim, or d_model / num_heads): the "
+                              f"Triton kernel (pallas_gpu) needs a power of two >= {TRITON_MIN}; "
+                              f"use attention.kernel=xla")
     elif kernel == "pallas_tpu":
         if bk != chunk and bk % 128:
             raise KernelError(f"{nk}={bk}: the Mosaic kernel (pallas_tpu) needs a multiple of 128 "
