@@ -58,9 +58,11 @@ def get_config() -> ml_collections.ConfigDict:
     # Per-round kernel: auto picks the fused Pallas kernel of the platform (GPU: Triton, TPU:
     # Mosaic) and xla on a CPU; a Pallas value on a CPU runs in interpret mode (exact, slow).
     a.kernel = "auto"  # auto | xla | pallas_gpu | pallas_tpu
-    # GQA folds the query heads of one kv head into a q tile's rows: rows = block_q x heads/kv_heads.
-    a.pallas_block_q = 0  # Pallas q tile in positions; 0: 64 rows on GPU, 512 on TPU
-    a.pallas_block_kv = 0  # Pallas kv tile in positions; 0: 64 on GPU, 512 on TPU (block_q/kv: xla's)
+    # Pallas tiles in positions, for the forward and both backward kernels; 0: the defaults of
+    # parallel/kernels/tiling.py (GPU: per arch, head dim and dtype, from scripts/gpu_compile.py;
+    # TPU: about 512 q rows, block_q x heads per kv head, and 512 keys). block_q/kv are xla's.
+    a.pallas_block_q = 0
+    a.pallas_block_kv = 0
     # With the mask, a step's work depends on where its documents start, and only a finely
     # interleaved layout (striped) stays balanced for any boundaries; without it every step
     # costs the same (scripts/compare_layouts.py --document-mask shows both).

@@ -124,7 +124,7 @@ def backend_from_config(config, mesh=None) -> AttentionBackend:
     from parallel import kernels
     a = config.attention
     kernel = kernels.resolve(a.kernel, kernels.platform_of(mesh))
-    block_q, block_kv = kernels.tiles(kernel, a, config.model.num_heads // config.model.num_kv_heads)
+    block_q, block_kv = kernels.tiles(kernel, a)
     return AttentionBackend(impl=a.impl, layout=a.layout, kernel=kernel, stripe=a.stripe,
                             block_q=block_q, block_kv=block_kv, mesh=mesh,
                             document_mask=bool(a.document_mask), ulysses=int(a.get("ulysses", 1)))

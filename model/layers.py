@@ -50,8 +50,8 @@ class AttentionBackend:
     layout: str = "contiguous"
     kernel: str = "xla"  # resolved per-round kernel: xla | pallas_gpu | pallas_tpu
     stripe: int = 1
-    block_q: int = 512
-    block_kv: int = 512
+    block_q: int | None = None  # tiles in positions; None: the kernel's default
+    block_kv: int | None = None
     mesh: Mesh | None = None
     document_mask: bool = True  # False: segment ids are ignored (causal over the whole row)
     ulysses: int = 1  # usp: devices per all-to-all group (the ring spans sequence / ulysses)

@@ -29,7 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 from parallel import blockwise as bw
 from parallel import kernels, rounds
+from parallel.kernels import tiling
 from parallel.kernels.spec import RoundSpec
+from parallel.kernels.tiling import tile_size
 from parallel.layouts import check as check_layout
 from parallel.layouts import permutation
 from parallel.mesh import BATCH_AXES
@@ -54,9 +56,11 @@ class _Ring:
     impl: str = "ring"  # ring | allgather | ulysses | usp
     ulysses: int = 1  # devices per all-to-all group (neighbours on the axis); N for ulysses
 
+    tiles: tuple = ()  # Pallas: (forward, dQ, dK/dV) Tiles (``parallel/kernels/tiling.py``)
+
     def round_spec(self, q_heads, kv_heads, head_dim, has_seg) -> RoundSpec:
-        return RoundSpec(self.kernel, self.block_q, self.block_kv, q_heads // kv_heads, kv_heads,
-                         head_dim, self.scale, self.causal, has_seg, self.interpret)
+        return RoundSpec(self.kernel, *self.tiles, q_heads // kv_heads, kv_heads, head_dim,
+                         self.scale, self.causal, has_seg, self.interpret)
 
     @property
     def size(self):
@@ -74,30 +78,6 @@ class _Ring:
         """PartitionSpec from per-dim roles: 'b' batch, 's' sequence, 'h' heads, None."""
         role = {"b": self.batch_axes or None, "s": self.axis, "h": self.head_axis, None: None}
         return P(*(role[n] for n in names))
-
-
-def _divisors(n: int) -> str:
-    ds = [x for x in range(1, n + 1) if n % x == 0]
-    return ", ".join(map(str, ds if len(ds) <= 12 else ds[:6] + ["..."] + ds[-3:]))
-
-
-def tile_size(name, block, chunk, seq_len, shards):
-    """Tile size actually used: clamped to the chunk when larger, else it must divide it.
-
-    Clamping lets the model's default (512) run on short sequences and makes the smallest valid
-    length per device work; a smaller tile that does not divide the chunk is a user error
-    (ValueError; ``training/validate.py`` reports it before anything compiles).
-    """
-    if block < 1:
-        raise ValueError(f"{name} must be >= 1, got {block}")
-    if block >= chunk:
-        return chunk
-    if chunk % block:
-        raise ValueError(
-            f"{name}={block} does not divide the per-device chunk of {chunk} tokens "
-            f"(seq_len {seq_len} / {shards} sequence shards); valid {name}: "
-            f"{_divisors(chunk)} (or anything larger, clamped to {chunk})")
-    return block
 
 
 def _mesh_axes(mesh, axis, batch, heads_q, heads_kv):
@@ -159,11 +139,18 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     chunk = length // n
     platform = kernels.platform_of(mesh)
     kernel = kernels.resolve(kernel, platform)
-    default_q, default_kv = kernels.default_tiles(kernel, hq // hkv)
-    ring = _Ring(mesh, axis, batch_axes, head_axis, bool(causal),
-                 tile_size("block_q", block_q or default_q, chunk, length, n),
-                 tile_size("block_kv", block_kv or default_kv, chunk, length, n),
-                 1.0 / math.sqrt(d), kernel, kernels.interpret(kernel, platform), impl, u)
+    interpret = kernels.interpret(kernel, platform)
+    if kernel == "xla":
+        tiles = ()
+        block_q, block_kv = (tile_size(name, b or tiling.XLA_TILE, chunk, length, n)
+                             for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+    else:
+        tiles = tiling.plan(kernel, block_q, block_kv, group=hq // hkv, head_dim=d,
+                            dtype=jnp.dtype(q.dtype).name, chunk=chunk, seq_len=length, shards=n,
+                            interpret=interpret, arch=tiling.gpu_arch(kernels.first_device(mesh)))
+        block_q, block_kv = tiles[0][:2]
+    ring = _Ring(mesh, axis, batch_axes, head_axis, bool(causal), block_q, block_kv,
+                 1.0 / math.sqrt(d), kernel, interpret, impl, u, tiles)
     if positions is None:
         positions = jnp.broadcast_to(jnp.asarray(permutation(layout, length, n, stripe)), (b, length))
     elif positions.shape != (b, length):

@@ -7,4 +7,10 @@ step_time.py   projected step time and MFU bound per token layout and per strate
 plan.py        one plan from a config, a mesh, a sequence length and a hardware
 report.py      Markdown and JSON output
 cli.py         the command line of scripts/plan.py
+
+The fused attention kernels compiled for accelerators not owned (scripts/gpu_compile.py):
+kernel_export.py  one ring round of the fused kernels, built as training builds it
+gpu_kernels.py    Triton IR from a CUDA export, compiled for sm_80 / sm_90: registers, spills, smem
+tpu_kernels.py    Mosaic lowering for a TPU and the VMEM of the kernels' blocks
+tile_sweep.py     the search behind parallel/kernels/tiling.py's GPU defaults
 """

@@ -67,7 +67,7 @@ def build(kernel, args, chunk, case, platform):
     import jax.numpy as jnp
     from parallel import blockwise as bw
     from parallel import kernels
-    from parallel.kernels import fused
+    from parallel.kernels import fused, tiling
     from parallel.kernels.spec import RoundSpec
 
     hq, hkv, d = args.heads, args.kv_heads or args.heads, args.head_dim
@@ -102,9 +102,11 @@ def build(kernel, args, chunk, case, platform):
             return bw.attend_block_bwd(q_s, kv, q_pos, None, do_q, lse, delta, jnp.zeros_like(q_s),
                                        block_q=blk, block_kv=blk)
     else:
-        bq, bk = (args.block, args.block) if args.block else kernels.default_tiles(kernel, hq // hkv)
-        spec = RoundSpec(kernel, min(bq, chunk), min(bk, chunk), hq // hkv, hkv, d, scale, True,
-                         False, kernels.interpret(kernel, platform))
+        interpret = kernels.interpret(kernel, platform)
+        tiles = tiling.plan(kernel, args.block, args.block, group=hq // hkv, head_dim=d,
+                            dtype=args.dtype, chunk=chunk, seq_len=chunk, shards=1,
+                            interpret=interpret, arch=tiling.gpu_arch(jax.devices()[0]))
+        spec = RoundSpec(kernel, *tiles, hq // hkv, hkv, d, scale, True, False, interpret)
 
         def forward(q, k, v):
             query = fused.prepare(q, q_pos, None, spec)

@@ -61,6 +61,7 @@ ids+=("tests/test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds[pal
       "tests/test_kernels.py::test_dense_impl_uses_the_fused_kernel"
       "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-whole]"
       "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-mixed]")
+for g in 3 5 6 7; do ids+=("tests/test_kernels.py::test_any_group_with_default_tiles[pallas_gpu-$g]"); done
 STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout 120 $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
   > "$OUT_DIR/kernel_tests.log" 2>&1 || status=1
 tail -25 "$OUT_DIR/kernel_tests.log"

@@ -16,8 +16,8 @@ import pytest
 
 from parallel import blockwise as bw
 from parallel import kernels
-from parallel.kernels import fused, tables
-from parallel.kernels.spec import RoundSpec
+from parallel.kernels import fused, tables, tiling
+from parallel.kernels.spec import RoundSpec, Tile
 from parallel.layouts import permutation
 from test_attention import (B, D, L, check, inputs, reference, rel_err, random_segments,
                             ring_mesh, ring_outputs, run_all_layouts)
@@ -117,6 +117,65 @@ def test_non_causal_matches_reference(rng, case):
                     block_q=bq, block_kv=bk, kernel=kernel, **kw)
 
 
+# ----------------------------------------------------------------------------- default tiles
+
+CHUNKS = [1 << i for i in range(7, 16)]  # 128 .. 32768 tokens per device
+
+
+@pytest.mark.parametrize("kernel,arch", [("pallas_gpu", "sm_80"), ("pallas_gpu", "sm_86"),
+                                         ("pallas_gpu", "sm_90"), ("pallas_tpu", None)])
+def test_default_tiles_fit_every_model(kernel, arch):
+    """Every query-head group 1..16, head dim and chunk: the default tiles divide the chunk (the
+    chunk itself when shorter), and every array a Triton program holds is a power of two >= 16
+    (its q rows are block_q of one head: pallas_gpu.py), or Mosaic's tile rules hold."""
+    for group, head_dim, chunk, dtype in itertools.product(range(1, 17), (64, 128, 256), CHUNKS,
+                                                           ("bfloat16", "float16")):
+        tiles = tiling.plan(kernel, None, None, group=group, head_dim=head_dim, dtype=dtype,
+                            chunk=chunk, seq_len=chunk * 8, shards=8, interpret=False,
+                            arch=arch or "sm_90")
+        for t in tiles:
+            assert chunk % t.block_q == 0 and chunk % t.block_kv == 0, (group, head_dim, chunk, t)
+            if kernel == "pallas_gpu":
+                for side in (t.block_q, t.block_kv, head_dim):
+                    assert side >= 16 and side & (side - 1) == 0, (group, head_dim, chunk, t)
+            else:
+                assert (t.block_q * group) % 8 == 0 and t.block_q * group <= max(512, group * 8)
+                assert t.block_kv % 128 == 0
+
+
+@pytest.mark.parametrize("kernel,block_q,block_kv,message", [
+    ("pallas_gpu", 24, 16, "block_q=24 does not divide the per-device chunk of 128 tokens"),
+    ("pallas_gpu", 8, 16, "block_q=8: the Triton kernel (pallas_gpu) needs powers of two >= 16"),
+    ("pallas_tpu", 8, 64, "block_kv=64: the Mosaic kernel (pallas_tpu) needs a multiple of 128"),
+])
+def test_a_tile_the_kernel_cannot_run_is_one_line(kernel, block_q, block_kv, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        tiling.plan(kernel, block_q, block_kv, group=3, head_dim=128, dtype="bfloat16", chunk=128,
+                    seq_len=512, shards=4, interpret=False)
+    assert "\n" not in str(e.value)
+    # interpret mode (a CPU) runs any tile that divides the chunk
+    if "divide" not in message:
+        tiling.plan(kernel, block_q, block_kv, group=3, head_dim=128, dtype="bfloat16", chunk=128,
+                    seq_len=512, shards=4, interpret=True)
+
+
+@pytest.mark.parametrize("group", [3, 5, 6, 7])
+@pytest.mark.parametrize("kernel", PALLAS)
+def test_any_group_with_default_tiles(rng, kernel, group):
+    """GQA groups that are no power of two, with the kernels' default tiles (clamped to the
+    chunk here), packed documents, every layout, against the float64 reference. A ring of two
+    on the simulated CPU devices; of one on a one-GPU host (scripts/device_check.sh)."""
+    n = min(2, len(jax.devices()))
+    run_all_layouts(rng, n, (group, 1), "packed", layouts=LAYOUTS, kernel=kernel)
+
+
+def test_uneven_group_over_many_tiles(rng):
+    """Group 3 with several q and kv tiles per chunk: the dK/dV program steps through each q
+    tile of each query head (pallas_gpu.py), masked and unmasked."""
+    run_all_layouts(rng, 2, (6, 2), "causal", layouts=[("striped", 1), ("zigzag", 1)],
+                    block_q=8, block_kv=4, kernel="pallas_gpu")
+
+
 # ----------------------------------------------------------------------------- visit tables
 
 
@@ -178,7 +237,8 @@ def test_visit_table_covers_every_visible_pair(rng, ordered):
 
 def _spec(kernel, hq, hkv, has_seg=True):
     interp = kernels.interpret(kernel, jax.devices()[0].platform)
-    return RoundSpec(kernel, 8, 4 if interp else 16, hq // hkv, hkv, D, 1.0 / math.sqrt(D), True,
+    tile = Tile(8, 4) if interp else Tile(16, 16)
+    return RoundSpec(kernel, tile, tile, tile, hq // hkv, hkv, D, 1.0 / math.sqrt(D), True,
                      has_seg, interp)
 
 
@@ -201,7 +261,7 @@ def test_rows_with_no_visible_key_and_empty_rounds(rng, kernel):
     query = fused.prepare(jnp.asarray(q), q_pos, q_seg, spec)
     acc0 = bw.init_acc(bw.to_q_major(jnp.asarray(q), hkv).astype(jnp.float32))
 
-    assert not bool(fused._visits(spec, query, future).any)
+    assert not bool(fused._visits(spec, spec.fwd, query, future).any)
     after_future = fused.attend(spec, query, future, acc0)
     for x, y in zip(after_future, acc0):
         assert np.array_equal(np.asarray(x), np.asarray(y))
@@ -253,7 +313,8 @@ def test_tpu_kernels_lower_to_mosaic():
     tpu_info.registry.setdefault(kind, lambda: tpu_info.get_tpu_info_for_chip(
         tpu_info.ChipVersion.TPU_V5E, 1))
     g, kh, c = 2, 2, 1024
-    spec = RoundSpec("pallas_tpu", 128, 128, g, kh, 128, 128 ** -0.5, True, True, False)
+    tile = Tile(128, 128)
+    spec = RoundSpec("pallas_tpu", tile, tile, tile, g, kh, 128, 128 ** -0.5, True, True, False)
     sds = jax.ShapeDtypeStruct
     q, k = sds((kh, c * g, 128), jnp.bfloat16), sds((kh, c, 128), jnp.bfloat16)
     table, rows = sds((1, c // 128, 4), jnp.int32), sds((1, c * g), jnp.int32)

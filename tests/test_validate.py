@@ -93,6 +93,20 @@ def test_auto_kernel_tiles_follow_the_platform():
         validate(c, 8, platform="tpu")
 
 
+@pytest.mark.parametrize("overrides,platform,message", [
+    ({"attention__pallas_block_q": 8}, "gpu", "attention.pallas_block_q=8: the Triton kernel (pallas_gpu) needs powers of two >= 16 dividing the chunk of 128 tokens [kernel pallas_gpu]"),
+    ({"model__head_dim": 40}, "gpu", "head dim 40 (model.head_dim, or d_model / num_heads): the Triton kernel (pallas_gpu) needs a power of two >= 16; use attention.kernel=xla"),
+    ({"attention__pallas_block_kv": 64}, "tpu", "attention.pallas_block_kv=64: the Mosaic kernel (pallas_tpu) needs a multiple of 128 dividing the chunk of 128 tokens, or the chunk itself"),
+])
+def test_pallas_tiles_meet_the_kernel_rules(overrides, platform, message):
+    """Tiles the real kernel cannot run stop before compiling, in one line; on a CPU (interpret
+    mode) the same values run."""
+    with pytest.raises(ConfigError) as e:
+        validate(cfg(**overrides), 8, platform=platform)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    validate(cfg(**overrides), 8, platform="cpu")
+
+
 @pytest.mark.parametrize("flag,message", [
     ("--config.attention.layout=spiral", "error: attention.layout='spiral' is not one of"),
     ("--config.train.steps=-1", "error: train.steps=-1 must be >= 1"),

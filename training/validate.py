@@ -7,7 +7,7 @@ from errors import ConfigError, DataError, LayoutError, MeshError
 from model import rope
 from model.decoder import DTYPES, REMAT
 from parallel import kernels
-from parallel.attention import tile_size
+from parallel.kernels import tiling
 from parallel.layouts import LAYOUTS, check as check_layout
 from parallel.mesh import mesh_shape
 
@@ -92,12 +92,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
             field = "attention.impl=ulysses" if a.impl == "ulysses" else f"attention.ulysses={a.ulysses}"
             raise ConfigError(f"{field}: {e}") from None
     if a.impl != "dense" or kernel != "xla":
-        names = ("block_q", "block_kv") if kernel == "xla" else ("pallas_block_q", "pallas_block_kv")
-        for field, block in zip(names, kernels.tiles(kernel, a, m.num_heads // m.num_kv_heads)):
-            try:  # the kernel's own rule: a tile longer than the chunk is clamped to it
-                tile_size(f"attention.{field}", block, d.seq_len // n, d.seq_len, n)
-            except ValueError as e:
-                raise ConfigError(f"{e} [kernel {kernel}]") from None
+        _check_tiles(kernel, a, m, d.seq_len, n, platform)
     _need(0 < d.heldout_fraction < 1, f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
     _need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
     _need(d.bad_records in BAD_RECORDS,
@@ -127,3 +122,21 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(config.wandb.mode in WANDB_MODES,
           f"wandb.mode={config.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     return sizes
+
+
+def _check_tiles(kernel, a, m, seq_len, n, platform):
+    """The tiles the kernel will run, by its own rules (``parallel/kernels/tiling.py``)."""
+    chunk, block_q, block_kv = seq_len // n, *kernels.tiles(kernel, a)
+    try:
+        if kernel == "xla":
+            for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+                tiling.tile_size(f"attention.{name}", block, chunk, seq_len, n)
+        else:
+            hd = m.head_dim or m.d_model // m.num_heads
+            dtype = {"auto": "float32" if platform == "cpu" else "bfloat16"}.get(m.dtype, m.dtype)
+            tiling.plan(kernel, block_q, block_kv, group=m.num_heads // m.num_kv_heads, head_dim=hd,
+                        dtype=dtype, chunk=chunk, seq_len=seq_len, shards=n,
+                        interpret=kernels.interpret(kernel, platform),
+                        names=("attention.pallas_block_q", "attention.pallas_block_kv"))
+    except ValueError as e:  # KernelError is one
+        raise ConfigError(f"{e} [kernel {kernel}]") from None

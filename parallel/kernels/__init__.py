@@ -8,6 +8,8 @@ against one arriving K/V block, with the mask from true positions and segment id
 - ``pallas_tpu``: fused Pallas kernels, Mosaic backend (``parallel/kernels/pallas_tpu.py``).
 - ``auto``: the fused kernel of the devices' platform, ``xla`` on a CPU.
 
+Tile sizes, their defaults and their rules: ``parallel/kernels/tiling.py``.
+
 A Pallas kernel asked for on a platform that is not its own (a CPU in the tests) runs in
 Pallas interpret mode: exact, slow. ``STRIPEDJAX_PALLAS_INTERPRET=1`` forces interpret mode
 everywhere, ``=0`` never uses it (a GPU host then runs the real kernel in every test).
@@ -22,18 +24,17 @@ KERNELS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 NATIVE_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 AUTO = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}
 
-# Default tiles: (q rows, kv positions). GQA folds the query heads of one kv head into the rows
-# of a q tile, so a Pallas q tile of R rows covers R / G positions. Triton keeps a tile in
-# registers and wants small ones; Mosaic streams large tiles through VMEM.
-DEFAULT_BLOCKS = {"xla": (512, 512), "pallas_gpu": (64, 64), "pallas_tpu": (512, 512)}
+
+def first_device(mesh):
+    devices = getattr(mesh, "devices", None)
+    if devices is not None:
+        return devices.flat[0]
+    import jax
+    return jax.devices()[0]
 
 
 def platform_of(mesh) -> str:
-    devices = getattr(mesh, "devices", None)
-    if devices is not None:
-        return devices.flat[0].platform
-    import jax
-    return jax.devices()[0].platform
+    return first_device(mesh).platform
 
 
 def resolve(kernel: str, platform: str) -> str:
@@ -45,18 +46,12 @@ def resolve(kernel: str, platform: str) -> str:
     return kernel
 
 
-def default_tiles(kernel: str, group: int = 1) -> tuple[int, int]:
-    """(block_q, block_kv) in positions for a resolved kernel and ``group`` query heads per kv head."""
-    rows, kv = DEFAULT_BLOCKS[kernel]
-    return (rows if kernel == "xla" else max(1, rows // group)), kv
-
-
-def tiles(kernel: str, attention, group: int = 1) -> tuple[int, int]:
-    """(block_q, block_kv) a resolved kernel uses, from the ``attention`` config section."""
+def tiles(kernel: str, attention) -> tuple[int | None, int | None]:
+    """(block_q, block_kv) asked of a resolved kernel by the ``attention`` config section; None:
+    the Pallas kernel's defaults (``tiling.py``: they depend on the shapes and the device)."""
     if kernel == "xla":
         return attention.block_q, attention.block_kv
-    default_q, default_kv = default_tiles(kernel, group)
-    return attention.pallas_block_q or default_q, attention.pallas_block_kv or default_kv
+    return attention.pallas_block_q or None, attention.pallas_block_kv or None
 
 
 def interpret(kernel: str, platform: str) -> bool:

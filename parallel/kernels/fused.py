@@ -15,7 +15,7 @@ from jax import lax
 
 from parallel import blockwise as bw
 from parallel.kernels import tables
-from parallel.kernels.spec import RoundSpec
+from parallel.kernels.spec import RoundSpec, Tile
 
 
 class Query(NamedTuple):
@@ -53,14 +53,14 @@ def prepare(q_BCHD, pos_BC, seg_BC, spec: RoundSpec) -> Query:
     return Query(fold_rows(q_BKCGD), rep(pos_BC), rep(seg_BC), pos_BC, seg_BC)
 
 
-def _visits(spec, query: Query, kv: bw.KV):
-    return tables.visits(query.pos, kv.pos, query.seg, kv.seg, block_q=spec.block_q,
-                         block_kv=spec.block_kv, causal=spec.causal)
+def _visits(spec, tile: Tile, query: Query, kv: bw.KV):
+    return tables.visits(query.pos, kv.pos, query.seg, kv.seg, block_q=tile.block_q,
+                         block_kv=tile.block_kv, causal=spec.causal)
 
 
 def attend(spec: RoundSpec, query: Query, kv: bw.KV, acc: bw.Acc) -> bw.Acc:
     """Folds one arriving K/V block into the accumulators (``[B, K, C, G, ...]`` fp32)."""
-    t = _visits(spec, query, kv)
+    t = _visits(spec, spec.fwd, query, kv)
 
     def run(acc):
         o, lse = _backend(spec).forward(spec, t.by_q, query.q, fold_kv(kv.k), fold_kv(kv.v),
@@ -80,15 +80,16 @@ def merge(acc: bw.Acc, o, lse) -> bw.Acc:
 def grads(spec: RoundSpec, query: Query, kv: bw.KV, do_f, lse_f, delta_f, dq_BKCGD):
     """One round of the backward: ``dq`` (accumulated, unscaled, ``[B, K, C, G, D]``) and this
     block's ``dk``/``dv`` ``[B, K, Ck, D]`` fp32. ``do_f``/``lse_f``/``delta_f`` are folded."""
-    t = _visits(spec, query, kv)
+    t_dq = _visits(spec, spec.dq, query, kv)
+    t_dkv = t_dq if spec.dkv[:2] == spec.dq[:2] else _visits(spec, spec.dkv, query, kv)
     k, v = fold_kv(kv.k), fold_kv(kv.v)
     args = (query.q, k, v, do_f, lse_f, delta_f, query.pos_rows, kv.pos, query.seg_rows, kv.seg)
     zeros = jnp.zeros_like(kv.k, dtype=jnp.float32)
 
     def run(dq):
         be = _backend(spec)
-        dq = dq + be.backward_dq(spec, t.by_q, *args).reshape(dq.shape)
-        dk, dv = be.backward_dkv(spec, t.by_kv, *args)
+        dq = dq + be.backward_dq(spec, t_dq.by_q, *args).reshape(dq.shape)
+        dk, dv = be.backward_dkv(spec, t_dkv.by_kv, *args)
         return dq, dk.reshape(zeros.shape), dv.reshape(zeros.shape)
 
-    return lax.cond(t.any, run, lambda dq: (dq, zeros, zeros), dq_BKCGD)
+    return lax.cond(t_dq.any, run, lambda dq: (dq, zeros, zeros), dq_BKCGD)

@@ -1,14 +1,24 @@
 """Fused ring-round attention for GPUs: Pallas, Triton backend.
 
-One program per (q tile, batch x kv head) in the forward and dQ kernels, per (kv tile,
-batch x kv head) in the dK/dV kernel. Each program loops over exactly the tiles of its row of
-the visit table (``parallel/kernels/tables.py``): masked ``[lo, flo)``, unmasked
-``[flo, fhi)``, masked ``[fhi, hi)``. GQA: the query heads of one kv head are folded into the
-rows of a q tile (``R = block_q * G`` rows), so K/V are never repeated.
+One program per (q tile, query head, batch x kv head) in the forward and dQ kernels; one per
+(kv tile, batch x kv head) in the dK/dV kernel, which loops over the query heads of its kv head.
+Each program visits exactly the tiles of its row of the visit table
+(``parallel/kernels/tables.py``): masked ``[lo, flo)``, unmasked ``[flo, fhi)``, masked
+``[fhi, hi)``.
 
-Array layouts (``BK`` = batch x kv heads, rows ``r = c * G + g``):
-    q, do, o   [BK, Cq*G, D]     lse, delta  [BK, Cq*G]     k, v  [BK, Ck, D]
-    q_pos/q_seg [B, Cq*G]        k_pos/k_seg [B, Ck]        tables [B, n, 4]
+GQA: the queries arrive folded by kv head (rows ``c * G + g``: ``fused.prepare``; K/V are never
+repeated) and are read here as ``[BK, Cq, G, D]``, a program taking one query head's rows at
+stride G. A tile of ``block_q * G`` folded rows would have to be a power of two (Triton's rule
+for every in-kernel array), which it never is for G = 3, 5, 6, 7, ...; padding the group to a
+power of two would compute up to 60% dummy rows (G = 5 -> 8) and copy q, dO and the row
+statistics every round. Per-head programs do no extra arithmetic and make the tile independent
+of G, so one table of default tiles (``tiling.py``) serves every model; the G programs of a kv
+head re-read the same K/V tiles, from L2 (they run together: the grid's fastest axes are the q
+tile and the head).
+
+Array layouts (``BK`` = batch x kv heads; ``(C, G)`` is a view of the folded rows ``C*G``):
+    q, do, o   [BK, Cq, G, D]    lse, delta  [BK, Cq, G]    k, v  [BK, Ck, D]
+    q_pos/q_seg [B, Cq, G]       k_pos/k_seg [B, Ck]        tables [B, n, 4]
 """
 from __future__ import annotations
 
@@ -20,22 +30,79 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from parallel.kernels import flash
-from parallel.kernels.spec import RoundSpec
+from parallel.kernels.spec import RoundSpec, Tile
 
 
-def _params(spec: RoundSpec):
+def _params(spec: RoundSpec, tile: Tile):
     if spec.interpret:
         return {"interpret": True}
     from jax.experimental.pallas import triton as plgpu
-    warps = 4 if spec.head_dim <= 64 else 8
-    return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=2)}
+    return {"compiler_params": plgpu.CompilerParams(num_warps=tile.num_warps,
+                                                    num_stages=tile.num_stages)}
 
 
-def _three_ranges(t_ref, body, carry):
-    lo, flo, fhi, hi = t_ref[0], t_ref[1], t_ref[2], t_ref[3]
+def _three_ranges(t_ref, body, carry, scale=1):
+    """Runs ``body(masked)`` over the row's three ranges, each stretched ``scale`` times."""
+    lo, flo, fhi, hi = (t_ref[i] * scale for i in range(4))
     carry = lax.fori_loop(lo, flo, body(True), carry)
     carry = lax.fori_loop(flo, fhi, body(False), carry)
     return lax.fori_loop(fhi, hi, body(True), carry)
+
+
+def _seg_refs(refs, has_seg):
+    """The refs after the fixed inputs: ``(q_seg, k_seg, *outputs)`` or just the outputs."""
+    return (refs[0], refs[1], refs[2:]) if has_seg else (None, None, refs)
+
+
+def _heads(x, g):
+    """``[BK, C*G, ...] -> [BK, C, G, ...]`` (a reshape: no copy)."""
+    return x.reshape(x.shape[0], x.shape[1] // g, g, *x.shape[2:])
+
+
+def _fold(x):
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+class _Blocks:
+    """The BlockSpecs of one kernel. Forward / dQ: grid ``(q tile, head, bk)``, a program's q
+    rows are one head's tile, its keys the whole kv chunk. dK/dV: grid ``(kv tile, bk)``, every
+    q row of the bk's heads."""
+
+    def __init__(self, spec: RoundSpec, tile: Tile, q_BKCGD, ck, per_q_tile: bool):
+        bk_, cq, g, d = q_BKCGD.shape
+        kh, self.params = spec.kv_heads, _params(spec, tile)
+        if per_q_tile:
+            self.grid = (cq // tile.block_q, g, bk_)
+            q_block, kb = (None, tile.block_q, None), ck
+            qi, ki = (lambda o, h, b: (b, o, h)), (lambda o, h, b: (b, 0))
+        else:
+            self.grid = (ck // tile.block_kv, bk_)
+            q_block, kb = (None, cq, g), tile.block_kv
+            qi, ki = (lambda o, b: (b, 0, 0)), (lambda o, b: (b, o))
+        batch = lambda f: lambda *a: (a[-1] // kh, *f(*a)[1:])  # the b of batch x kv head
+        self.table = pl.BlockSpec((None, None, 4), lambda *a: (a[-1] // kh, a[0], 0))
+        self.rows = pl.BlockSpec((*q_block, d), lambda *a: (*qi(*a), 0))
+        self.row_stat = pl.BlockSpec(q_block, qi)
+        self.kv = pl.BlockSpec((None, kb, d), lambda *a: (*ki(*a), 0))
+        self.q_vec = pl.BlockSpec(q_block, batch(qi))
+        self.k_vec = pl.BlockSpec((None, kb), batch(ki))
+
+    def call(self, kernel, ins, out_specs, out_shape, name):
+        """``ins``: the (in_spec, arg) pairs of :func:`_inputs`."""
+        specs, args = zip(*ins)
+        return pl.pallas_call(kernel, grid=self.grid, in_specs=list(specs), out_specs=out_specs,
+                              out_shape=out_shape, name=name, **self.params)(*args)
+
+
+def _inputs(blocks, spec, table, q_BKCGD, k, v, q_pos, k_pos, q_seg, k_seg, bwd=()):
+    """(in_spec, arg) pairs: table, q, k, v, [do, lse, delta], positions, [segment ids]."""
+    g = spec.group
+    ins = [(blocks.table, table), (blocks.rows, q_BKCGD), (blocks.kv, k), (blocks.kv, v)]
+    ins += zip((blocks.rows, blocks.row_stat, blocks.row_stat), (_heads(x, g) for x in bwd))
+    ins += [(blocks.q_vec, _heads(q_pos, g)), (blocks.k_vec, k_pos)]
+    if spec.has_seg:
+        ins += [(blocks.q_vec, _heads(q_seg, g)), (blocks.k_vec, k_seg)]
+    return ins
 
 
 def _kv_mask(spec: RoundSpec, masked, qp, qs, kp_ref, ks_ref, sl):
@@ -46,42 +113,6 @@ def _kv_mask(spec: RoundSpec, masked, qp, qs, kp_ref, ks_ref, sl):
     return flash.mask(qp, kp_ref[sl][None, :], qs, ks, spec.causal)
 
 
-def _seg_refs(refs, has_seg):
-    """The refs after the fixed inputs: ``(q_seg, k_seg, *outputs)`` or just the outputs."""
-    return (refs[0], refs[1], refs[2:]) if has_seg else (None, None, refs)
-
-
-class _Blocks:
-    """The BlockSpecs of one kernel on grid ``(outer, b)``: the outer axis walks q tiles
-    (forward, dQ: the whole kv chunk per program) or kv tiles (dK/dV: all the q rows)."""
-
-    def __init__(self, spec: RoundSpec, rows, ck, d, outer_is_q: bool):
-        kh = spec.kv_heads
-        qb, kb = (spec.block_q * spec.group, ck) if outer_is_q else (rows, spec.block_kv)
-        qi = (lambda o: o) if outer_is_q else (lambda o: 0)
-        ki = (lambda o: 0) if outer_is_q else (lambda o: o)
-        self.grid_outer = rows // qb if outer_is_q else ck // kb
-        self.table = pl.BlockSpec((None, None, 4), lambda o, b: (b // kh, o, 0))
-        self.rows = pl.BlockSpec((None, qb, d), lambda o, b: (b, qi(o), 0))
-        self.row_stat = pl.BlockSpec((None, qb), lambda o, b: (b, qi(o)))
-        self.kv = pl.BlockSpec((None, kb, d), lambda o, b: (b, ki(o), 0))
-        self.q_vec = pl.BlockSpec((None, qb), lambda o, b: (b // kh, qi(o)))
-        self.k_vec = pl.BlockSpec((None, kb), lambda o, b: (b // kh, ki(o)))
-
-    def inputs(self, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, bwd=()):
-        """(in_specs, args): table, q, k, v, [do, lse, delta], positions, [segment ids]."""
-        specs, args = [self.table, self.rows, self.kv, self.kv], [table, q, k, v]
-        if bwd:
-            specs += [self.rows, self.row_stat, self.row_stat]
-            args += list(bwd)
-        specs += [self.q_vec, self.k_vec]
-        args += [q_pos, k_pos]
-        if spec.has_seg:
-            specs += [self.q_vec, self.k_vec]
-            args += [q_seg, k_seg]
-        return specs, args
-
-
 # ----------------------------------------------------------------------------- forward
 
 
@@ -90,7 +121,7 @@ def _fwd_kernel(t_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: RoundSp
     q = q_ref[...]
     qp = qp_ref[...][:, None]
     qs = qs_ref[...][:, None] if spec.has_seg else None
-    bk = spec.block_kv
+    bk = spec.fwd.block_kv
 
     def body(masked):
         def step(j, carry):
@@ -106,14 +137,15 @@ def _fwd_kernel(t_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: RoundSp
 
 
 def forward(spec: RoundSpec, table, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
-    bk_, rows, d = q.shape
-    blocks = _Blocks(spec, rows, k.shape[1], d, outer_is_q=True)
-    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg)
-    out_shape = (jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
-                 jax.ShapeDtypeStruct((bk_, rows), jnp.float32))
-    return pl.pallas_call(functools.partial(_fwd_kernel, spec=spec), grid=(blocks.grid_outer, bk_),
-                          in_specs=in_specs, out_specs=(blocks.rows, blocks.row_stat),
-                          out_shape=out_shape, name="ring_round_fwd", **_params(spec))(*args)
+    """One round's normalised output ``[BK, Cq*G, D]`` and logsumexp ``[BK, Cq*G]``, fp32."""
+    q = _heads(q, spec.group)
+    blocks = _Blocks(spec, spec.fwd, q, k.shape[1], per_q_tile=True)
+    ins = _inputs(blocks, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg)
+    out_shape = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    o, lse = blocks.call(functools.partial(_fwd_kernel, spec=spec), ins,
+                         (blocks.rows, blocks.row_stat), out_shape, "ring_round_fwd")
+    return _fold(o), _fold(lse)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -126,7 +158,7 @@ def _dq_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, k
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     qp = qp_ref[...][:, None]
     qs = qs_ref[...][:, None] if spec.has_seg else None
-    bk = spec.block_kv
+    bk = spec.dq.block_kv
 
     def body(masked):
         def step(j, dq):
@@ -143,13 +175,12 @@ def _dq_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, k
 def backward_dq(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None,
                 k_seg=None):
     """dQ contribution of one round, not yet multiplied by the softmax scale: ``[BK, Cq*G, D]``."""
-    bk_, rows, d = q.shape
-    blocks = _Blocks(spec, rows, k.shape[1], d, outer_is_q=True)
-    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
-    return pl.pallas_call(
-        functools.partial(_dq_kernel, spec=spec), grid=(blocks.grid_outer, bk_), in_specs=in_specs,
-        out_specs=blocks.rows, out_shape=jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
-        name="ring_round_dq", **_params(spec))(*args)
+    q = _heads(q, spec.group)
+    blocks = _Blocks(spec, spec.dq, q, k.shape[1], per_q_tile=True)
+    ins = _inputs(blocks, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
+    dq = blocks.call(functools.partial(_dq_kernel, spec=spec), ins, blocks.rows,
+                     jax.ShapeDtypeStruct(q.shape, jnp.float32), "ring_round_dq")
+    return _fold(dq)
 
 
 def _dkv_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs,
@@ -158,21 +189,22 @@ def _dkv_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, 
     k, v = k_ref[...], v_ref[...]
     kp = kp_ref[...][None, :]
     ks = ks_ref[...][None, :] if spec.has_seg else None
-    r = spec.block_q * spec.group
+    g, bq = spec.group, spec.dkv.block_q
 
     def body(masked):
-        def step(i, carry):
-            sl = pl.ds(pl.multiple_of(i * r, r), r)
+        def step(t, carry):  # step t: q tile t // G of query head t % G
+            sl, h = pl.ds(pl.multiple_of((t // g) * bq, bq), bq), t % g
             vis = None if not masked else flash.mask(
-                qp_ref[sl][:, None], kp, qs_ref[sl][:, None] if spec.has_seg else None, ks, spec.causal)
-            q, do = q_ref[sl, :], do_ref[sl, :]
-            p = flash.probs(q, k, lse_ref[sl][:, None], spec.scale, vis)
-            ds = flash.grad_scores(p, do, v, delta_ref[sl][:, None])
+                qp_ref[sl, h][:, None], kp, qs_ref[sl, h][:, None] if spec.has_seg else None, ks,
+                spec.causal)
+            q, do = q_ref[sl, h, :], do_ref[sl, h, :]
+            p = flash.probs(q, k, lse_ref[sl, h][:, None], spec.scale, vis)
+            ds = flash.grad_scores(p, do, v, delta_ref[sl, h][:, None])
             return flash.dkv_update(*carry, p, ds, q, do)
         return step
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = _three_ranges(t_ref, body, (zeros, zeros))
+    dk, dv = _three_ranges(t_ref, body, (zeros, zeros), scale=g)
     dk_ref[...] = dk * spec.scale
     dv_ref[...] = dv
 
@@ -180,12 +212,9 @@ def _dkv_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, 
 def backward_dkv(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None,
                  k_seg=None):
     """dK (w.r.t. the unscaled keys) and dV of one round: two fp32 ``[BK, Ck, D]``."""
-    bk_, rows, d = q.shape
-    ck = k.shape[1]
-    blocks = _Blocks(spec, rows, ck, d, outer_is_q=False)
-    in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
-    out = jax.ShapeDtypeStruct((bk_, ck, d), jnp.float32)
-    return pl.pallas_call(
-        functools.partial(_dkv_kernel, spec=spec), grid=(blocks.grid_outer, bk_), in_specs=in_specs,
-        out_specs=(blocks.kv, blocks.kv), out_shape=(out, out), name="ring_round_dkv",
-        **_params(spec))(*args)
+    q = _heads(q, spec.group)
+    blocks = _Blocks(spec, spec.dkv, q, k.shape[1], per_q_tile=False)
+    ins = _inputs(blocks, spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
+    out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
+    return blocks.call(functools.partial(_dkv_kernel, spec=spec), ins,
+                       (blocks.kv, blocks.kv), (out, out), "ring_round_dkv")

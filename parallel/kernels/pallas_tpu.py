@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from parallel.kernels import flash
-from parallel.kernels.spec import RoundSpec
+from parallel.kernels.spec import RoundSpec, Tile
 
 
 def _row(tbl_ref, b, i, n, kh):
@@ -76,8 +76,8 @@ class _Blocks:
     """The BlockSpecs of one kernel, from where a grid step ``(b, outer, t)`` finds its q tile
     and its kv tile (``q_at`` / ``kv_at``: ``(tbl, b, outer, t) -> tile index``)."""
 
-    def __init__(self, spec: RoundSpec, d, q_at, kv_at):
-        r, bkv, kh = spec.block_q * spec.group, spec.block_kv, spec.kv_heads
+    def __init__(self, spec: RoundSpec, tile: Tile, d, q_at, kv_at):
+        r, bkv, kh = tile.block_q * spec.group, tile.block_kv, spec.kv_heads
         self.rows = pl.BlockSpec((None, r, d), lambda b, o, t, tbl: (b, q_at(tbl, b, o, t), 0))
         self.row_stat = pl.BlockSpec((None, r, 1), lambda b, o, t, tbl: (b, q_at(tbl, b, o, t), 0))
         self.kv = pl.BlockSpec((None, bkv, d), lambda b, o, t, tbl: (b, kv_at(tbl, b, o, t), 0))
@@ -129,9 +129,9 @@ def _fwd_kernel(tbl_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec: Round
 
 def forward(spec: RoundSpec, table, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
     bk_, rows, d = q.shape
-    r = spec.block_q * spec.group
-    nq, nk = rows // r, k.shape[1] // spec.block_kv
-    blocks = _Blocks(spec, d, _outer, functools.partial(_step_tile, n=nq, kh=spec.kv_heads))
+    r = spec.fwd.block_q * spec.group
+    nq, nk = rows // r, k.shape[1] // spec.fwd.block_kv
+    blocks = _Blocks(spec, spec.fwd, d, _outer, functools.partial(_step_tile, n=nq, kh=spec.kv_heads))
     in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg)
     out_shape = (jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
                  jax.ShapeDtypeStruct((bk_, rows, 1), jnp.float32))
@@ -173,9 +173,9 @@ def backward_dq(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, q
                 k_seg=None):
     """dQ contribution of one round, not yet multiplied by the softmax scale: ``[BK, Cq*G, D]``."""
     bk_, rows, d = q.shape
-    r = spec.block_q * spec.group
-    nq, nk = rows // r, k.shape[1] // spec.block_kv
-    blocks = _Blocks(spec, d, _outer, functools.partial(_step_tile, n=nq, kh=spec.kv_heads))
+    r = spec.dq.block_q * spec.group
+    nq, nk = rows // r, k.shape[1] // spec.dq.block_kv
+    blocks = _Blocks(spec, spec.dq, d, _outer, functools.partial(_step_tile, n=nq, kh=spec.kv_heads))
     in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
     return _call(functools.partial(_dq_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nq, nk),
                  in_specs, blocks.rows, jax.ShapeDtypeStruct((bk_, rows, d), jnp.float32),
@@ -212,10 +212,11 @@ def backward_dkv(spec: RoundSpec, table, q, k, v, do, lse, delta, q_pos, k_pos, 
     """dK (w.r.t. the unscaled keys) and dV of one round: two fp32 ``[BK, Ck, D]``."""
     bk_, rows, d = q.shape
     ck = k.shape[1]
-    nq, nk = rows // (spec.block_q * spec.group), ck // spec.block_kv
-    blocks = _Blocks(spec, d, functools.partial(_step_tile, n=nk, kh=spec.kv_heads), _outer)
+    nq, nk = rows // (spec.dkv.block_q * spec.group), ck // spec.dkv.block_kv
+    blocks = _Blocks(spec, spec.dkv, d, functools.partial(_step_tile, n=nk, kh=spec.kv_heads),
+                     _outer)
     in_specs, args = blocks.inputs(spec, table, q, k, v, q_pos, k_pos, q_seg, k_seg, (do, lse, delta))
     out = jax.ShapeDtypeStruct((bk_, ck, d), jnp.float32)
-    scratch = [pltpu.VMEM((spec.block_kv, d), jnp.float32)] * 2
+    scratch = [pltpu.VMEM((spec.dkv.block_kv, d), jnp.float32)] * 2
     return _call(functools.partial(_dkv_kernel, spec=spec, nq=nq, nk=nk), spec, (bk_, nk, nq),
                  in_specs, (blocks.kv, blocks.kv), (out, out), scratch, args, "ring_round_dkv")

@@ -2,14 +2,26 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
+
+class Tile(NamedTuple):
+    """One fused kernel's tiles in positions, already fitted to the chunk, and the Triton launch
+    parameters it compiles with (``parallel/kernels/tiling.py``; Mosaic ignores them)."""
+
+    block_q: int
+    block_kv: int
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class RoundSpec:
     kernel: str  # pallas_gpu | pallas_tpu
-    block_q: int  # positions per q tile (a tile holds block_q * group rows)
-    block_kv: int  # positions per kv tile
-    group: int  # query heads per kv head, folded into the rows of a q tile
+    fwd: Tile  # the forward kernel's tiles
+    dq: Tile  # the dQ kernel's
+    dkv: Tile  # the dK/dV kernel's (the backward's two may differ from the forward's)
+    group: int  # query heads per kv head
     kv_heads: int  # kv heads on this device (the leading dim is batch x kv_heads)
     head_dim: int
     scale: float  # softmax scale, applied to the fp32 scores inside the kernel
