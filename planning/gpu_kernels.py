@@ -47,11 +47,27 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def triton_kernels(case: kx.Case, chunk: int) -> dict[str, dict]:
+def _target_gpu(arch: str) -> None:
+    """JAX >= 0.11 asks the default device for the GPU it lowers a Triton kernel for, and a CPU
+    has none ("No supported GPU devices found"): name the target arch for this host's device
+    kind in the registry it falls back to. JAX 0.10 does not ask."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        return
+    cc = int(arch.removeprefix("sm_"))
+    info = gpu_info.GpuInfo(gpu_version=None, arch_name=f"{cc // 10}.{cc % 10}",
+                            compute_capability=cc)
+    gpu_info.registry[jax.devices()[0].device_kind] = lambda: info
+    gpu_info.get_gpu_info.cache_clear()
+
+
+def triton_kernels(case: kx.Case, chunk: int, arch: str = "sm_90") -> dict[str, dict]:
     """``{fwd|dq|dkv: {ttir, num_warps, num_stages}}`` from the exported round."""
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
     from jax._src.pallas.triton import lowering
+    _target_gpu(arch)
     try:
         exported = export.export(
             jax.jit(kx.round_fn(case)), platforms=["cuda"],

@@ -42,7 +42,7 @@ def try_tile(arch, head_dim, dtype, kernel, tile, chunk, log) -> dict:
     for has_seg, group in CHECKS:
         case = kx.Case("pallas_gpu", head_dim, group, dtype, has_seg, (tile,) * 3)
         try:
-            compiled = gk.compile_kernel(gk.triton_kernels(case, chunk)[kernel], arch)
+            compiled = gk.compile_kernel(gk.triton_kernels(case, chunk, arch)[kernel], arch)
             row = {**compiled, "error": ""}
         except gk.CompileError as e:
             row = {"error": str(e)}

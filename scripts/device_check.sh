@@ -66,6 +66,12 @@ STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout 120 $PY -m pytest -q -p no:cacheprovider
   > "$OUT_DIR/kernel_tests.log" 2>&1 || status=1
 tail -25 "$OUT_DIR/kernel_tests.log"
 
+stage "1b. compile report of the default tiles for this GPU's architecture (head_dim 128)"
+arch=$($PY -c "import jax; from parallel.kernels import tiling; print(tiling.gpu_arch(jax.devices()[0]))")
+timeout 90 $PY scripts/gpu_compile.py --arch "$arch" --head-dims 128 --groups 1,4 --dtypes bfloat16 \
+  > "$OUT_DIR/gpu_compile.log" 2>&1 || echo "(gpu_compile needs the pinned triton package; see the log)"
+tail -12 "$OUT_DIR/gpu_compile.log"
+
 stage "2. bench_kernels: one round, bf16, $HEADS heads of $HEAD_DIM"
 timeout 170 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --head-dim $HEAD_DIM \
   --block $BLOCK --repeats $REPEATS --json "$OUT_DIR/bench_kernels.json" > "$OUT_DIR/bench_kernels.log" 2>&1 \

@@ -83,7 +83,7 @@ def gpu_rows(args, log):
                         base = {"arch": arch, "head_dim": d, "group": g, "dtype": dtype,
                                 "seg": has_seg}
                         try:
-                            found = gk.triton_kernels(case, args.chunk)
+                            found = gk.triton_kernels(case, args.chunk, arch)
                         except gk.CompileError as e:
                             found = {k: e for k in args.kernels}
                         for name in args.kernels:
