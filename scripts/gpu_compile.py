@@ -187,18 +187,22 @@ def main(argv=None):
     except gk.CompileError as e:
         print(f"gpu_compile: {e}")
         return 2
-    if args.sweep:
-        rows = sweep_rows(args, log)
-        bad = [r for r in rows if r["tile"] is None]
-    elif args.tpu:
-        rows = tpu_rows(args, log)
-        print(TPU_HEADER, *map(_tpu_md_row, rows), sep="\n")
-        bad = [r for r in rows if r["error"] or not r["fits"]]
-    else:
-        log(f"triton {version}; chunk {args.chunk}")
-        rows = gpu_rows(args, log)
-        print(GPU_HEADER, *map(_md_row, rows), sep="\n")
-        bad = [r for r in rows if r["status"] != "ok"]
+    try:
+        if args.sweep:
+            rows = sweep_rows(args, log)
+            bad = [r for r in rows if r["tile"] is None]
+        elif args.tpu:
+            rows = tpu_rows(args, log)
+            print(TPU_HEADER, *map(_tpu_md_row, rows), sep="\n")
+            bad = [r for r in rows if r["error"] or not r["fits"]]
+        else:
+            log(f"triton {version}; chunk {args.chunk}")
+            rows = gpu_rows(args, log)
+            print(GPU_HEADER, *map(_md_row, rows), sep="\n")
+            bad = [r for r in rows if r["status"] != "ok"]
+    except ValueError as e:  # a tile the kernel cannot run (KernelError is one)
+        print(f"gpu_compile: {e}")
+        return 2
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -35,7 +35,9 @@ SMEM_LIMIT = {"sm_80": 166_912, "sm_86": 101_376, "sm_90": 232_448}
 # (planning/tile_sweep.py: every candidate compiled for the arch by the triton package; the
 # largest tile, then warps, then stages, with and without segment ids, for groups 1, 4 and 7,
 # with no spill, 8 KiB under SMEM_LIMIT and with tensor-core instructions). fp16 compiles the
-# same (python scripts/gpu_compile.py reports every default clean); fp32 halves the tiles.
+# same (python scripts/gpu_compile.py reports every default clean). fp32 inputs halve the tiles,
+# unswept: full-precision fp32 dots have no tensor cores and still spill at these tiles
+# (--dtypes float32 shows it); fp32 is no GPU training dtype here (model.dtype=auto is bf16).
 GPU_TILES = {
     ("sm_90", 64): (Tile(128, 128, 8, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 3)),
     ("sm_90", 128): (Tile(128, 128, 8, 2), Tile(128, 64, 8, 3), Tile(128, 64, 8, 1)),
@@ -61,7 +63,7 @@ def gpu_arch(device=None) -> str:
 
 def _gpu_entry(arch, head_dim, dtype):
     """The table row of the nearest head dim at or above ``head_dim`` (else the largest); fp32
-    inputs hold twice the bytes per operand in registers and shared memory: half the tiles."""
+    inputs hold twice the bytes per operand: half the tiles (a guess the sweep has not made)."""
     dims = sorted({d for (_, d) in GPU_TILES})
     row = GPU_TILES[(arch, next((x for x in dims if x >= head_dim), dims[-1]))]
     if dtype in ("bfloat16", "float16"):
