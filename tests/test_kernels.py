@@ -336,7 +336,8 @@ def test_dense_impl_uses_the_fused_kernel(rng):
     from model.layers import AttentionBackend
     q, k, v, _ = inputs(rng, 4, 2)
     seg = jnp.asarray(random_segments(rng, B, L))
-    fused_dense = AttentionBackend(impl="dense", kernel="pallas_gpu", block_q=8, block_kv=16)
+    bq, bk = tiles("pallas_gpu")  # a real Triton kernel (a GPU host) needs tiles of 16 or more
+    fused_dense = AttentionBackend(impl="dense", kernel="pallas_gpu", block_q=bq, block_kv=bk)
     assert fused_dense._fused_dense()
     got = fused_dense(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seg)
     with jax.default_matmul_precision("highest"):  # a GPU's XLA rounds fp32 dots to TF32

@@ -62,7 +62,14 @@ def kernel_note(trainer: Trainer, mesh) -> str:
     from parallel import kernels
     kernel = trainer.backend.kernel
     interpreted = kernels.interpret(kernel, kernels.platform_of(mesh))
-    return kernel + (" (Pallas interpret mode: exact but slow)" if interpreted else "")
+    if interpreted:
+        return kernel + " (Pallas interpret mode: exact but slow)"
+    if kernel == "pallas_gpu":
+        from parallel.kernels import pallas_gpu
+        if pallas_gpu.TRITON_DEPRECATED:
+            return kernel + (f" (JAX {jax.__version__} deprecates Pallas's Triton backend; "
+                             "it still runs here)")
+    return kernel
 
 
 def evaluate(trainer: Trainer, params, batches) -> dict:

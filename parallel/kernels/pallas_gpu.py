@@ -23,6 +23,7 @@ Array layouts (``BK`` = batch x kv heads; ``(C, G)`` is a view of the folded row
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,12 @@ from jax.experimental import pallas as pl
 
 from parallel.kernels import flash
 from parallel.kernels.spec import RoundSpec, Tile
+
+# JAX >= 0.11 warns at every Triton kernel it lowers (dozens a step); train.py says it once, in
+# its startup line (training/loop.kernel_note). Tested on JAX 0.11.2 (an H200) and 0.12.0.1.
+TRITON_DEPRECATED = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                        category=DeprecationWarning)
 
 
 def _params(spec: RoundSpec, tile: Tile):
