@@ -1,5 +1,7 @@
-"""Every `python ...` command that README.md and the configs' docstrings print runs as printed
-(with tiny sizes appended), or is listed in docs/readme_commands.txt as skipped with a reason.
+"""Every `python ...` command that README.md, the docs/*.md pages and the configs' docstrings
+print runs as printed (with tiny sizes appended), or is listed in docs/readme_commands.txt as
+skipped with a reason. Every relative link in those pages points at a file that exists (and a
+heading that exists, for links into a page).
 
 Run as a new user would on a CPU: a subprocess from the repository root, without XLA_FLAGS or
 JAX_PLATFORMS, checking the exit code and the output."""
@@ -21,20 +23,29 @@ def _normal(text: str) -> str:
     return " ".join(text.replace("\\\n", " ").split())
 
 
+README_MAX_LINES = 200
+
+
+def pages() -> list[pathlib.Path]:
+    """The pages whose commands and links are checked: the README, then every docs/*.md."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def documented_commands() -> dict[str, str]:
-    """Printed command -> where: README code blocks (fenced or indented) and inline code,
-    and the configs' module docstrings."""
+    """Printed command -> where (the first page that prints it): code blocks (fenced or indented)
+    and inline code of README.md and every docs/*.md page, and the configs' module docstrings."""
     found = {}
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```[^\n]*\n(.*?)```", readme, flags=re.S)
-    blocks += re.findall(r"(?:^|\n\n)((?: {4}[^\n]*\n?)+)", readme)
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith("python "):
-                found.setdefault(_normal(line), "README.md")
-    for span in re.findall(r"`(python [^`]+)`", readme):
-        found.setdefault(_normal(span), "README.md")
+    for page in pages():
+        where, text = str(page.relative_to(ROOT)), page.read_text()
+        blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+        blocks += re.findall(r"(?:^|\n\n)((?: {4}[^\n]*\n?)+)", text)
+        for block in blocks:
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("  #")[0].strip()
+                if line.startswith("python "):
+                    found.setdefault(_normal(line), where)
+        for span in re.findall(r"`(python [^`]+)`", text):
+            found.setdefault(_normal(span), where)
     for path in sorted((ROOT / "configs").glob("*.py")):
         doc = re.match(r'\s*"""(.*?)"""', path.read_text(), flags=re.S)
         for line in (doc.group(1) if doc else "").replace("\\\n", " ").splitlines():
@@ -80,6 +91,39 @@ def test_every_printed_command_is_listed_and_every_listed_one_is_printed():
             pytest.fail(f"line {e['line']}: {e['command']!r} has placeholders: give 'as:' or 'skip:'")
         if "with" in e:
             assert not placeholder, f"line {e['line']}: placeholders: use 'as:', not 'with:'"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_points_at_an_existing_file():
+    """[text](path) and ![alt](path) links in README.md and docs/*.md, outside code; a link
+    with #anchor into a markdown page needs that heading."""
+    broken = []
+    for page in pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        text = re.sub(r"`[^`]*`", "", text)
+        links = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text)
+        assert page.name != "README.md" or links, "the README links nowhere?"
+        for link in links:
+            if re.match(r"[a-z][a-z0-9+.-]*:", link):  # http:, https:, mailto:
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)}: ({link})"
+            if not target.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{where}: no heading #{anchor} in {target.relative_to(ROOT)}")
+    assert not broken, "broken links:\n  " + "\n  ".join(broken)
 
 
 RUN = [e for e in listed_commands() if "skip" not in e]
