@@ -1,7 +1,7 @@
 """Every `python ...` command that README.md, the docs/*.md pages and the configs' docstrings
 print runs as printed (with tiny sizes appended), or is listed in docs/readme_commands.txt as
 skipped with a reason. Every relative link in those pages points at a file that exists (and a
-heading that exists, for links into a page).
+heading that exists, for links into a page), and the README stays a front page.
 
 Run as a new user would on a CPU: a subprocess from the repository root, without XLA_FLAGS or
 JAX_PLATFORMS, checking the exit code and the output."""
@@ -83,6 +83,7 @@ def test_every_printed_command_is_listed_and_every_listed_one_is_printed():
         "\n".join(f"  {documented[c]}: {c}" for c in missing)
     assert not stale, "in docs/readme_commands.txt but printed nowhere:\n  " + "\n  ".join(stale)
     assert any("README.md" == where for where in documented.values())
+    assert any(where.startswith("docs/") for where in documented.values())
     for e in entries:
         kinds = [k for k in ("with", "as", "skip") if k in e]
         assert len(kinds) <= 1, f"line {e['line']}: at most one of with/as/skip"
@@ -124,6 +125,14 @@ def test_every_relative_link_points_at_an_existing_file():
             elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
                 broken.append(f"{where}: no heading #{anchor} in {target.relative_to(ROOT)}")
     assert not broken, "broken links:\n  " + "\n  ".join(broken)
+
+
+def test_the_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, \
+        f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move detail to docs/"
+    for command in ("make demo", "make test"):
+        assert any(line.startswith(command) for line in lines), f"README.md lost {command!r}"
 
 
 RUN = [e for e in listed_commands() if "skip" not in e]
