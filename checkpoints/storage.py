@@ -13,6 +13,7 @@ import logging
 import os
 import pathlib
 import shutil
+import traceback
 
 from errors import StorageError
 
@@ -67,8 +68,20 @@ def _not_a_background_failure(record: logging.LogRecord) -> bool:
                 and record.pathname.replace(os.sep, "/").endswith(_BACKGROUND))
 
 
+def _not_an_orphaned_orbax_future(record: logging.LogRecord) -> bool:
+    """Newer orbax leaves the failed writes' futures unread, and asyncio logs each with its
+    traceback ("exception was never retrieved") when it is collected."""
+    if record.levelno < logging.ERROR or "exception was never retrieved" not in record.getMessage():
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    return not any("/orbax/" in f.filename.replace(os.sep, "/") for f in frames)
+
+
 def quiet_background_failures() -> None:
     """Drops orbax's logged copies of a background save's failure (it is raised again)."""
-    absl_logger = logging.getLogger("absl")
-    if _not_a_background_failure not in absl_logger.filters:
-        absl_logger.addFilter(_not_a_background_failure)
+    for name, keep in (("absl", _not_a_background_failure),
+                       ("asyncio", _not_an_orphaned_orbax_future)):
+        logger = logging.getLogger(name)
+        if keep not in logger.filters:
+            logger.addFilter(keep)

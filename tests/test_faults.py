@@ -1,10 +1,11 @@
 """Faults a long run meets, met as a user meets them: train.py in a subprocess, its exit code,
-its one line, and what it leaves on disk (README's reliability table points here).
+its one line, and what it leaves on disk (docs/reliability.md's table points here).
 
 Divergence never poisons a checkpoint and a diverged run resumes; a full disk keeps the last
 good checkpoint; a bad record names its file and line. (A dead peer: test_multiprocess.py.)
 """
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,29 @@ def test_a_resume_after_rollbacks_is_exact(recovered):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resuming from step 7 ({copy / 'checkpoints' / '7'})" in out.stdout
     assert tr.metrics(copy)[8]["loss"] == tr.metrics(workdir)[8]["loss"]
+
+
+def test_orbax_failures_left_in_asyncio_futures_are_not_logged_and_others_are(caplog):
+    """Newer orbax leaves a failed save's futures unread: asyncio would log a traceback for
+    each when they are collected, around the one line the failure is raised as."""
+    from checkpoints import storage
+    storage.quiet_background_failures()
+
+    def failure(filename):
+        try:
+            exec(compile("raise ValueError('No space left on device')", filename, "exec"))
+        except ValueError:
+            return sys.exc_info()
+
+    logger = logging.getLogger("asyncio")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        logger.error("_GatheringFuture exception was never retrieved",
+                     exc_info=failure("/site/orbax/checkpoint/_src/serialization.py"))
+        assert caplog.records == []
+        logger.error("Task exception was never retrieved", exc_info=failure("/site/mine.py"))
+        logger.error("something else in asyncio")
+        assert [r.getMessage() for r in caplog.records] == [
+            "Task exception was never retrieved", "something else in asyncio"]
 
 
 # -- a full disk ------------------------------------------------------------------------------
