@@ -11,11 +11,12 @@ With GQA the gathered K/V are small next to the queries, which is where this win
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 from parallel import kernels
-from parallel import blockwise as bw
 from parallel import rounds
+from parallel.kernels import accumulators as ac
 
 
 # Platforms whose reduce-scatter is an all-reduce and a slice here instead: XLA CPU's
@@ -40,13 +41,13 @@ def _gather(x, ring, axis):
 
 
 def _gathered_kv(k_BCKD, v_BCKD, pos_BC, seg_BC, ring):
-    return bw.KV(_gather(bw.to_kv_major(k_BCKD), ring, 2), _gather(bw.to_kv_major(v_BCKD), ring, 2),
+    return ac.KV(_gather(ac.to_kv_major(k_BCKD), ring, 2), _gather(ac.to_kv_major(v_BCKD), ring, 2),
                  _gather(pos_BC, ring, 1), _gather(seg_BC, ring, 1))
 
 
 def forward_local(ring):
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
-        fwd = rounds.Forward(ring, q_BCHD, pos_BC, seg_BC, k_BCKD.shape[2], q_BCHD.shape[1])
+        fwd = rounds.Rounds(ring, q_BCHD, pos_BC, seg_BC, k_BCKD.shape[2], q_BCHD.shape[1])
         kv = _gathered_kv(k_BCKD, v_BCKD, pos_BC, seg_BC, ring)
         return fwd.finish(fwd.attend(kv, fwd.init()))
     return local
@@ -54,12 +55,13 @@ def forward_local(ring):
 
 def backward_local(ring):
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKCG, dout_BCHD):
-        bwd = rounds.Backward(ring, q_BCHD, pos_BC, seg_BC, k_BCKD.shape[2], q_BCHD.shape[1],
-                              lse_BKCG, dout_BCHD, out_BSHD=out_BCHD)
+        delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
+        bwd = rounds.Rounds(ring, q_BCHD, pos_BC, seg_BC, k_BCKD.shape[2], q_BCHD.shape[1],
+                            lse_BKCG, dout_BCHD, delta)
         kv = _gathered_kv(k_BCKD, v_BCKD, pos_BC, seg_BC, ring)
         dq, dk, dv = bwd.grads(kv, bwd.zeros_dq())
         if ring.size > 1:
             dk, dv = (_reduce_scatter(x, ring, k_BCKD.shape[1]) for x in (dk, dv))
-        return (bwd.finish(dq), bw.from_kv_major(dk).astype(k_BCKD.dtype),
-                bw.from_kv_major(dv).astype(v_BCKD.dtype))
+        return (bwd.finish_dq(dq), ac.from_kv_major(dk).astype(k_BCKD.dtype),
+                ac.from_kv_major(dv).astype(v_BCKD.dtype))
     return local

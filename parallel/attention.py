@@ -27,11 +27,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from parallel import blockwise as bw
 from parallel import kernels, rounds
+from parallel.kernels import accumulators as ac
 from parallel.kernels import tiling
 from parallel.kernels.spec import RoundSpec
-from parallel.kernels.tiling import tile_size
 from parallel.layouts import check as check_layout
 from parallel.layouts import permutation
 from parallel.mesh import BATCH_AXES
@@ -56,7 +55,7 @@ class _Ring:
     impl: str = "ring"  # ring | allgather | ulysses | usp
     ulysses: int = 1  # devices per all-to-all group (neighbours on the axis); N for ulysses
 
-    tiles: tuple = ()  # Pallas: (forward, dQ, dK/dV) Tiles (``parallel/kernels/tiling.py``)
+    tiles: tuple = ()  # (forward, dQ, dK/dV) Tiles (``parallel/kernels/tiling.py``)
 
     def round_spec(self, q_heads, kv_heads, head_dim, has_seg) -> RoundSpec:
         return RoundSpec(self.kernel, *self.tiles, q_heads // kv_heads, kv_heads, head_dim,
@@ -140,15 +139,10 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     platform = kernels.platform_of(mesh)
     kernel = kernels.resolve(kernel, platform)
     interpret = kernels.interpret(kernel, platform)
-    if kernel == "xla":
-        tiles = ()
-        block_q, block_kv = (tile_size(name, b or tiling.XLA_TILE, chunk, length, n)
-                             for name, b in (("block_q", block_q), ("block_kv", block_kv)))
-    else:
-        tiles = tiling.plan(kernel, block_q, block_kv, group=hq // hkv, head_dim=d,
-                            dtype=jnp.dtype(q.dtype).name, chunk=chunk, seq_len=length, shards=n,
-                            interpret=interpret, arch=tiling.gpu_arch(kernels.first_device(mesh)))
-        block_q, block_kv = tiles[0][:2]
+    tiles = tiling.plan(kernel, block_q, block_kv, group=hq // hkv, head_dim=d,
+                        dtype=jnp.dtype(q.dtype).name, chunk=chunk, seq_len=length, shards=n,
+                        interpret=interpret, arch=tiling.gpu_arch(kernels.first_device(mesh)))
+    block_q, block_kv = tiles[0][:2]
     ring = _Ring(mesh, axis, batch_axes, head_axis, bool(causal), block_q, block_kv,
                  1.0 / math.sqrt(d), kernel, interpret, impl, u, tiles)
     if positions is None:
@@ -267,8 +261,8 @@ class _RingStrategy:
     def forward_local(ring):
         def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
             hkv = k_BCKD.shape[2]  # local count: heads may be split over the tensor axis
-            fwd = rounds.Forward(ring, q_BCHD, pos_BC, seg_BC, hkv, q_BCHD.shape[1])
-            acc = rounds.ring_forward(rounds.kv_block(k_BCKD, v_BCKD, pos_BC, seg_BC), fwd.init(),
+            fwd = rounds.Rounds(ring, q_BCHD, pos_BC, seg_BC, hkv, q_BCHD.shape[1])
+            acc = rounds.ring_forward(ac.kv_block(k_BCKD, v_BCKD, pos_BC, seg_BC), fwd.init(),
                                       fwd.attend, ring.size, lambda t: rounds.shift(t, ring))
             return fwd.finish(acc)
         return local
@@ -277,11 +271,12 @@ class _RingStrategy:
     def backward_local(ring):
         def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKCG, dout_BCHD):
             hkv = k_BCKD.shape[2]
-            bwd = rounds.Backward(ring, q_BCHD, pos_BC, seg_BC, hkv, q_BCHD.shape[1], lse_BKCG,
-                                  dout_BCHD, out_BSHD=out_BCHD)
-            dq, dk, dv = rounds.ring_backward(rounds.kv_block(k_BCKD, v_BCKD, pos_BC, seg_BC),
+            delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
+            bwd = rounds.Rounds(ring, q_BCHD, pos_BC, seg_BC, hkv, q_BCHD.shape[1], lse_BKCG,
+                                dout_BCHD, delta)
+            dq, dk, dv = rounds.ring_backward(ac.kv_block(k_BCKD, v_BCKD, pos_BC, seg_BC),
                                               bwd.zeros_dq(), bwd.grads, ring.size,
                                               lambda t: rounds.shift(t, ring))
-            return (bwd.finish(dq), bw.from_kv_major(dk).astype(k_BCKD.dtype),
-                    bw.from_kv_major(dv).astype(v_BCKD.dtype))
+            return (bwd.finish_dq(dq), ac.from_kv_major(dk).astype(k_BCKD.dtype),
+                    ac.from_kv_major(dv).astype(v_BCKD.dtype))
         return local

@@ -1,17 +1,17 @@
-"""The per-round kernel interface every context-parallel strategy calls, and the ring's loops.
+"""The chunk-pair loop every context-parallel strategy runs on the per-round kernel interface.
 
 A strategy (ring, all-gather, Ulysses, hybrid) only decides which queries and which K/V blocks
 meet on a device; the arithmetic is always the same: this device's queries against one block of
 keys/values, with the mask from their true positions and segment ids, folded into fp32
 online-softmax accumulators (forward) or turned into dQ/dK/dV contributions (backward), by the
-XLA kernel (``parallel/blockwise.py``) or a fused Pallas kernel (``parallel/kernels/fused.py``).
+kernel the call names (``parallel/kernels``: ``xla``, or a fused Pallas kernel).
 
 Queries and K/V may each span several *chunks* (``C = L / N`` consecutive slots of the layout,
 one device's share): Ulysses holds the whole sequence on its heads, all-gather holds every
-device's K/V. They are visited chunk pair by chunk pair, so that every kernel call sees one
-chunk of queries against one chunk of keys, as in a ring round: positions inside a chunk are
-increasing in every layout, which is what keeps a fused kernel's visit table exact work, and
-each tile pair is still skipped or masked by the one tile predicate.
+device's K/V. A kernel that takes one chunk a side (``ANY_CHUNKS`` False: the fused ones) is
+called chunk pair by chunk pair, as in a ring round: positions inside a chunk are increasing in
+every layout, which is what keeps a fused kernel's visit table exact work, and each tile pair
+is still skipped or masked by the one tile predicate.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallel import blockwise as bw
-from parallel.kernels import fused
+from parallel import kernels
+from parallel.kernels import accumulators as ac
 
 
 def _sl(x, start, size, axis):
@@ -31,14 +31,9 @@ def _put(x, part, start, axis):
     return lax.dynamic_update_slice_in_dim(x, part, start, axis=axis)
 
 
-def kv_block(k_BSKD, v_BSKD, pos_BS, seg_BS) -> bw.KV:
-    """Keys/values of this device (any number of chunks) with their true positions."""
-    return bw.KV(bw.to_kv_major(k_BSKD), bw.to_kv_major(v_BSKD), pos_BS, seg_BS)
-
-
-def _kv_chunk(kv: bw.KV, j, chunk) -> bw.KV:
+def _kv_chunk(kv: ac.KV, j, chunk) -> ac.KV:
     s = j * chunk
-    return bw.KV(_sl(kv.k, s, chunk, 2), _sl(kv.v, s, chunk, 2), _sl(kv.pos, s, chunk, 1),
+    return ac.KV(_sl(kv.k, s, chunk, 2), _sl(kv.v, s, chunk, 2), _sl(kv.pos, s, chunk, 1),
                  _sl(kv.seg, s, chunk, 1))
 
 
@@ -46,126 +41,94 @@ def _chunks(x, chunk, axis):
     return x.shape[axis] // chunk
 
 
-class Forward:
+class Rounds:
     """This device's queries ``q [B, S, Hq, D]`` (S = a whole number of chunks), their true
-    positions / segment ids ``[B, S]``, and ``kv_heads`` local K/V heads."""
+    positions / segment ids ``[B, S]`` and ``kv_heads`` local K/V heads, met by K/V blocks.
 
-    def __init__(self, call, q_BSHD, pos_BS, seg_BS, kv_heads, chunk):
-        self.call, self.chunk, self.hkv = call, chunk, kv_heads
+    Forward: :meth:`init`, :meth:`attend` per block, :meth:`finish`. Backward (given the
+    forward's ``lse [B, K, S, G]``, the output cotangent ``dout [B, S, Hq, D]`` and the row sums
+    ``delta [B, S, Hq]`` of ``dout * out``): :meth:`zeros_dq`, :meth:`grads` per block,
+    :meth:`finish_dq`.
+    """
+
+    def __init__(self, call, q_BSHD, pos_BS, seg_BS, kv_heads, chunk, lse_BKSG=None,
+                 dout_BSHD=None, delta_BSH=None):
+        self.chunk, self.hkv = chunk, kv_heads
         self.q, self.pos, self.seg = q_BSHD, pos_BS, seg_BS
         self.nq = _chunks(q_BSHD, chunk, 1)
-        if call.kernel != "xla":
-            self.spec = call.round_spec(q_BSHD.shape[2], kv_heads, q_BSHD.shape[3], seg_BS is not None)
+        self.spec = call.round_spec(q_BSHD.shape[2], kv_heads, q_BSHD.shape[3], seg_BS is not None)
+        self.kernel = kernels.rounds(call.kernel)
+        self.rows = () if dout_BSHD is None else (  # [B, K, S, G(, D)]: sliced with the queries
+            ac.to_q_major(dout_BSHD, kv_heads), lse_BKSG,
+            ac.to_q_major(delta_BSH.astype(jnp.float32)[..., None], kv_heads)[..., 0])
 
-    def init(self) -> bw.Acc:
-        return bw.init_acc(bw.to_q_major(self.q, self.hkv))
-
-    def _query(self, i, whole=False):
+    def _query(self, i, whole, grad):
         c = self.q.shape[1] if whole else self.chunk
-        q, pos, seg = _sl(self.q, i * c, c, 1), _sl(self.pos, i * c, c, 1), _sl(self.seg, i * c, c, 1)
-        if self.call.kernel == "xla":
-            return bw.to_q_major(q.astype(jnp.float32) * self.call.scale, self.hkv), pos, seg
-        return fused.prepare(q, pos, seg, self.spec)
+        q, pos, seg = (_sl(x, i * c, c, 1) for x in (self.q, self.pos, self.seg))
+        if not grad:
+            return self.kernel.queries(self.spec, q, pos, seg)
+        return self.kernel.grad_queries(self.spec, q, pos, seg,
+                                        *(_sl(x, i * c, c, 2) for x in self.rows))
 
-    def _pair(self, query, kv, acc):
-        call = self.call
-        if call.kernel == "xla":
-            q_s, pos, seg = query
-            return bw.attend_block(q_s, kv, pos, seg, acc, block_q=call.block_q,
-                                   block_kv=call.block_kv, causal=call.causal)
-        return fused.attend(self.spec, query, kv, acc)
-
-    def attend(self, kv: bw.KV, acc: bw.Acc) -> bw.Acc:
-        """Folds a K/V block (a whole number of chunks) into the accumulators."""
+    def _pairs(self, kv: ac.KV, grad, pair, q_state, kv_state):
+        """``pair(query, kv, q_part) -> (q_part, kv_out)`` over the (q chunk, kv chunk) pairs:
+        ``q_state`` (arrays ``[B, K, S, ...]``) is sliced per q chunk, the ``kv_out`` of every
+        pair added into ``kv_state`` (``[B, K, Sk, ...]``) per kv chunk. One call when the
+        kernel takes any number of chunks (or there is one pair): then its ``kv_out`` returns."""
         c, nk = self.chunk, _chunks(kv.k, self.chunk, 2)
-        if (self.nq == 1 and nk == 1) or self.call.kernel == "xla":
-            # The XLA kernel builds its work lists per tile over any number of chunks.
-            return self._pair(self._query(0, whole=True), kv, acc)
+        if (self.nq == 1 and nk == 1) or self.kernel.ANY_CHUNKS:
+            return pair(self._query(0, True, grad), kv, q_state)
 
-        def q_chunk(i, acc):
-            query = self._query(i)
-            part = bw.Acc(*(_sl(a, i * c, c, 2) for a in acc))
-            part = lax.fori_loop(0, nk, lambda j, p: self._pair(query, _kv_chunk(kv, j, c), p), part)
-            return bw.Acc(*(_put(a, p, i * c, 2) for a, p in zip(acc, part)))
+        def q_chunk(i, carry):
+            q_state, kv_state = carry
+            query = self._query(i, False, grad)
 
-        return lax.fori_loop(0, self.nq, q_chunk, acc)
+            def kv_chunk(j, carry):
+                part, kv_state = carry
+                part, out = pair(query, _kv_chunk(kv, j, c), part)
+                return part, tuple(_put(x, _sl(x, j * c, c, 2) + o, j * c, 2)
+                                   for x, o in zip(kv_state, out))
 
-    def finish(self, acc: bw.Acc):
+            part = jax.tree.map(lambda a: _sl(a, i * c, c, 2), q_state)
+            part, kv_state = lax.fori_loop(0, nk, kv_chunk, (part, kv_state))
+            return jax.tree.map(lambda a, p: _put(a, p, i * c, 2), q_state, part), kv_state
+
+        return lax.fori_loop(0, self.nq, q_chunk, (q_state, kv_state))
+
+    # ------------------------------------------------------------------------- forward
+
+    def init(self) -> ac.Acc:
+        return ac.init_acc(ac.to_q_major(self.q, self.hkv))
+
+    def attend(self, kv: ac.KV, acc: ac.Acc) -> ac.Acc:
+        """Folds a K/V block (a whole number of chunks) into the accumulators."""
+        attend = lambda query, kv, acc: (self.kernel.attend(self.spec, query, kv, acc), ())
+        return self._pairs(kv, False, attend, acc, ())[0]
+
+    def finish(self, acc: ac.Acc):
         """Output ``[B, S, Hq, D]`` in the queries' dtype and the logsumexp ``[B, K, S, G]``."""
-        out, lse = bw.finalize(acc)
-        return bw.from_q_major(out).astype(self.q.dtype), lse
+        out, lse = ac.finalize(acc)
+        return ac.from_q_major(out).astype(self.q.dtype), lse
 
-
-class Backward:
-    """The backward of :class:`Forward`: ``lse [B, K, S, G]`` from it, the output cotangent
-    ``dout [B, S, Hq, D]`` and either the output (``out``) or the row sums of ``dout * out``
-    (``delta [B, S, Hq]``, when they were computed where the output lives)."""
-
-    def __init__(self, call, q_BSHD, pos_BS, seg_BS, kv_heads, chunk, lse_BKSG, dout_BSHD,
-                 out_BSHD=None, delta_BSH=None):
-        self.call, self.chunk, self.hkv = call, chunk, kv_heads
-        self.q, self.pos, self.seg = q_BSHD, pos_BS, seg_BS
-        self.nq = _chunks(q_BSHD, chunk, 1)
-        self.lse = lse_BKSG
-        do = bw.to_q_major(dout_BSHD.astype(jnp.float32), kv_heads)
-        if delta_BSH is None:
-            self.delta = jnp.sum(do * bw.to_q_major(out_BSHD.astype(jnp.float32), kv_heads), axis=-1)
-        else:
-            self.delta = bw.to_q_major(delta_BSH.astype(jnp.float32)[..., None], kv_heads)[..., 0]
-        if call.kernel == "xla":
-            self.do = do
-        else:
-            self.spec = call.round_spec(q_BSHD.shape[2], kv_heads, q_BSHD.shape[3], seg_BS is not None)
-            self.do = bw.to_q_major(dout_BSHD, kv_heads)  # the kernel reads the input dtype
+    # ------------------------------------------------------------------------- backward
 
     def zeros_dq(self):
         # zeros_like: varies over the same mesh axes as q
-        return jnp.zeros_like(bw.to_q_major(self.q, self.hkv), dtype=jnp.float32)
+        return jnp.zeros_like(ac.to_q_major(self.q, self.hkv), dtype=jnp.float32)
 
-    def _query(self, i, whole=False):
-        c = self.q.shape[1] if whole else self.chunk
-        q, pos, seg = _sl(self.q, i * c, c, 1), _sl(self.pos, i * c, c, 1), _sl(self.seg, i * c, c, 1)
-        do, lse, delta = (_sl(x, i * c, c, 2) for x in (self.do, self.lse, self.delta))
-        if self.call.kernel == "xla":
-            q_s = bw.to_q_major(q.astype(jnp.float32) * self.call.scale, self.hkv)
-            return q_s, pos, seg, do, lse, delta
-        return (fused.prepare(q, pos, seg, self.spec), fused.fold_rows(do), fused.fold_rows(lse),
-                fused.fold_rows(delta))
-
-    def _pair(self, query, kv, dq):
-        call = self.call
-        if call.kernel == "xla":
-            q_s, pos, seg, do, lse, delta = query
-            return bw.attend_block_bwd(q_s, kv, pos, seg, do, lse, delta, dq, block_q=call.block_q,
-                                       block_kv=call.block_kv, causal=call.causal)
-        prep, do_f, lse_f, delta_f = query
-        return fused.grads(self.spec, prep, kv, do_f, lse_f, delta_f, dq)
-
-    def grads(self, kv: bw.KV, dq):
+    def grads(self, kv: ac.KV, dq):
         """``dq`` accumulated (unscaled, ``[B, K, S, G, D]`` fp32) and the block's fp32
         ``dk``/``dv`` ``[B, K, Sk, D]``."""
-        c, nk = self.chunk, _chunks(kv.k, self.chunk, 2)
-        if (self.nq == 1 and nk == 1) or self.call.kernel == "xla":
-            return self._pair(self._query(0, whole=True), kv, dq)
+        def grads(query, kv, dq):
+            dq, dk, dv = self.kernel.attend_grads(self.spec, query, kv, dq)
+            return dq, (dk, dv)
+
         zeros = jnp.zeros_like(kv.k, dtype=jnp.float32)
+        dq, (dk, dv) = self._pairs(kv, True, grads, dq, (zeros, zeros))
+        return dq, dk, dv
 
-        def q_chunk(i, carry):
-            dq, dk, dv = carry
-            query = self._query(i)
-
-            def kv_chunk(j, carry):
-                dq_i, dk, dv = carry
-                dq_i, dk_j, dv_j = self._pair(query, _kv_chunk(kv, j, c), dq_i)
-                return (dq_i, _put(dk, _sl(dk, j * c, c, 2) + dk_j, j * c, 2),
-                        _put(dv, _sl(dv, j * c, c, 2) + dv_j, j * c, 2))
-
-            dq_i, dk, dv = lax.fori_loop(0, nk, kv_chunk, (_sl(dq, i * c, c, 2), dk, dv))
-            return _put(dq, dq_i, i * c, 2), dk, dv
-
-        return lax.fori_loop(0, self.nq, q_chunk, (dq, zeros, zeros))
-
-    def finish(self, dq):
-        return bw.from_q_major(dq * self.call.scale).astype(self.q.dtype)
+    def finish_dq(self, dq):
+        return ac.from_q_major(dq * self.spec.scale).astype(self.q.dtype)
 
 
 # ----------------------------------------------------------------------------- ring loops

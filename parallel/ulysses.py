@@ -22,8 +22,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from parallel import blockwise as bw
 from parallel import rounds
+from parallel.kernels import accumulators as ac
 
 
 def _divisors(n):
@@ -79,8 +79,8 @@ def forward_local(ring):
         chunk = q_BCHD.shape[1]
         q, k, v = (_to_heads(x, ring) for x in (q_BCHD, k_BCKD, v_BCKD))
         pos, seg = _gather(pos_BC, ring), _gather(seg_BC, ring)
-        fwd = rounds.Forward(ring, q, pos, seg, k.shape[2], chunk)
-        acc = rounds.ring_forward(rounds.kv_block(k, v, pos, seg), fwd.init(), fwd.attend, hops,
+        fwd = rounds.Rounds(ring, q, pos, seg, k.shape[2], chunk)
+        acc = rounds.ring_forward(ac.kv_block(k, v, pos, seg), fwd.init(), fwd.attend, hops,
                                   lambda t: rounds.shift(t, ring))
         out, lse = fwd.finish(acc)
         return _to_seq(out, ring), lse  # lse stays head-sharded: only this backward reads it
@@ -96,10 +96,10 @@ def backward_local(ring):
         delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
         q, k, v, dout, delta = (_to_heads(x, ring) for x in (q_BCHD, k_BCKD, v_BCKD, dout_BCHD, delta))
         pos, seg = _gather(pos_BC, ring), _gather(seg_BC, ring)
-        bwd = rounds.Backward(ring, q, pos, seg, k.shape[2], chunk, lse_BKSG, dout, delta_BSH=delta)
-        dq, dk, dv = rounds.ring_backward(rounds.kv_block(k, v, pos, seg), bwd.zeros_dq(), bwd.grads,
+        bwd = rounds.Rounds(ring, q, pos, seg, k.shape[2], chunk, lse_BKSG, dout, delta)
+        dq, dk, dv = rounds.ring_backward(ac.kv_block(k, v, pos, seg), bwd.zeros_dq(), bwd.grads,
                                           hops, lambda t: rounds.shift(t, ring))
-        dk = bw.from_kv_major(dk).astype(k_BCKD.dtype)
-        dv = bw.from_kv_major(dv).astype(v_BCKD.dtype)
-        return _to_seq(bwd.finish(dq), ring), _to_seq(dk, ring), _to_seq(dv, ring)
+        dk = ac.from_kv_major(dk).astype(k_BCKD.dtype)
+        dv = ac.from_kv_major(dv).astype(v_BCKD.dtype)
+        return _to_seq(bwd.finish_dq(dq), ring), _to_seq(dk, ring), _to_seq(dv, ring)
     return local

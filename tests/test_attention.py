@@ -12,9 +12,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from errors import LayoutError
-from parallel import blockwise as bw
 from parallel.attention import context_parallel_attention
-from parallel.blockwise import dense_attention
+from parallel.kernels import accumulators as ac
+from parallel.kernels import predicate, xla
+from parallel.kernels.xla import dense_attention
 from parallel.layouts import LAYOUTS, inverse, permutation
 
 B, L, D = 2, 64, 16
@@ -319,19 +320,19 @@ def test_rows_with_no_visible_key_in_first_blocks(rng):
     a_pos, b_pos = np.arange(c, dtype=np.int32)[None], np.arange(c, dtype=np.int32)[None]
     a_seg, b_seg = np.zeros((1, c), np.int32), np.ones((1, c), np.int32)
     scale = 1.0 / math.sqrt(D)
-    q_s = bw.to_q_major(jnp.asarray(q) * scale, hkv)
-    block = lambda k, v, pos, seg: bw.KV(bw.to_kv_major(jnp.asarray(k)), bw.to_kv_major(jnp.asarray(v)),
+    q_s = ac.to_q_major(jnp.asarray(q) * scale, hkv)
+    block = lambda k, v, pos, seg: ac.KV(ac.to_kv_major(jnp.asarray(k)), ac.to_kv_major(jnp.asarray(v)),
                                          jnp.asarray(pos), jnp.asarray(seg))
-    run = lambda acc, blk: bw.attend_block(q_s, blk, jnp.asarray(q_pos), jnp.asarray(q_seg), acc,
+    run = lambda acc, blk: xla.attend_block(q_s, blk, jnp.asarray(q_pos), jnp.asarray(q_seg), acc,
                                            block_q=8, block_kv=4)
-    assert np.all(np.asarray(bw.tile_cases(q_pos, a_pos, q_seg, a_seg, block_q=8, block_kv=4)) == bw.MASKED)
-    acc = run(bw.init_acc(q_s), block(kv[0], kv[1], a_pos, a_seg))
-    out_a, lse_a = bw.finalize(acc)
+    assert np.all(np.asarray(predicate.tile_cases(q_pos, a_pos, q_seg, a_seg, block_q=8, block_kv=4)) == predicate.MASKED)
+    acc = run(ac.init_acc(q_s), block(kv[0], kv[1], a_pos, a_seg))
+    out_a, lse_a = ac.finalize(acc)
     assert np.all(np.isfinite(np.asarray(acc.o))) and np.all(np.isfinite(np.asarray(acc.m)))
     lonely = np.asarray(q_seg[0] == 1)
-    assert np.all(np.asarray(bw.from_q_major(out_a))[0, lonely] == 0)
+    assert np.all(np.asarray(ac.from_q_major(out_a))[0, lonely] == 0)
     assert np.all(np.isinf(np.asarray(lse_a)[0, :, lonely]))
-    out, _ = bw.finalize(run(acc, block(kv[2], kv[3], b_pos, b_seg)))
+    out, _ = ac.finalize(run(acc, block(kv[2], kv[3], b_pos, b_seg)))
     k_all = np.concatenate([kv[0], kv[2]], 1)
     v_all = np.concatenate([kv[1], kv[3]], 1)
     s = np.einsum("qhd,khd->hqk", q[0].astype(np.float64), np.repeat(k_all[0], 2, 1)) * scale
@@ -339,7 +340,7 @@ def test_rows_with_no_visible_key_in_first_blocks(rng):
     s = np.where(vis[None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.repeat(v_all[0], 2, 1))
-    assert rel_err(bw.from_q_major(out)[0], want) < 1e-5
+    assert rel_err(ac.from_q_major(out)[0], want) < 1e-5
 
 
 # ----------------------------------------------------------------------------- validation
@@ -430,16 +431,16 @@ def test_tile_predicate_matches_brute_force(rng, causal, segments):
         k_pos = rng.integers(0, 64, (2, 16)).astype(np.int32)
         q_seg = rng.integers(0, 3, (2, 16)).astype(np.int32) if segments else None
         k_seg = rng.integers(0, 3, (2, 16)).astype(np.int32) if segments else None
-        case = bw.tile_cases(q_pos, k_pos, q_seg, k_seg, block_q=bq, block_kv=bk, causal=causal)
+        case = predicate.tile_cases(q_pos, k_pos, q_seg, k_seg, block_q=bq, block_kv=bk, causal=causal)
         if it < 3:  # the kernel's (jax) evaluation of the same function agrees
-            case_jax = bw.tile_cases(*(None if x is None else jnp.asarray(x) for x in (q_pos, k_pos, q_seg, k_seg)),
+            case_jax = predicate.tile_cases(*(None if x is None else jnp.asarray(x) for x in (q_pos, k_pos, q_seg, k_seg)),
                                      block_q=bq, block_kv=bk, causal=causal)
             np.testing.assert_array_equal(case, np.asarray(case_jax))
         some, every = brute_force(q_pos, k_pos, q_seg, k_seg, bq, bk, causal)
-        assert not np.any((case == bw.SKIP) & some)
-        np.testing.assert_array_equal(case == bw.FULL, every)
+        assert not np.any((case == predicate.SKIP) & some)
+        np.testing.assert_array_equal(case == predicate.FULL, every)
         if not segments:
-            np.testing.assert_array_equal(case == bw.SKIP, ~some)
+            np.testing.assert_array_equal(case == predicate.SKIP, ~some)
 
 
 def test_tile_predicate_exact_on_layout_positions(rng):
@@ -455,8 +456,8 @@ def test_tile_predicate_exact_on_layout_positions(rng):
         for d in range(n):
             for s in range(n):
                 sl_q, sl_k = slice(d * c, (d + 1) * c), slice(s * c, (s + 1) * c)
-                case = bw.tile_cases(pos[:, sl_q], pos[:, sl_k], seg[:, sl_q], seg[:, sl_k],
+                case = predicate.tile_cases(pos[:, sl_q], pos[:, sl_k], seg[:, sl_q], seg[:, sl_k],
                                      block_q=2, block_kv=4)
                 some, every = brute_force(pos[:, sl_q], pos[:, sl_k], seg[:, sl_q], seg[:, sl_k], 2, 4, True)
-                np.testing.assert_array_equal(case == bw.SKIP, ~some)
-                np.testing.assert_array_equal(case == bw.FULL, every)
+                np.testing.assert_array_equal(case == predicate.SKIP, ~some)
+                np.testing.assert_array_equal(case == predicate.FULL, every)
