@@ -35,7 +35,7 @@ class Work:
         return int(self.tiles.max(axis=1).sum())
 
     def strategy_critical_path(self, impl: str = "ring", ulysses: int = 1) -> float:
-        """Attention time in tile units of a context-parallel strategy (``parallel/attention.py``)
+        """Attention time in tile units of a context-parallel strategy (``parallel/strategies``)
         from the same tile pairs: what waits for what differs, the pairs computed do not.
 
         ring: the sum over rounds of the busiest device. allgather: nothing waits between

@@ -1,4 +1,4 @@
-"""All-gather context parallelism (parallel/allgather.py) against the float64 reference: every
+"""All-gather context parallelism (parallel/strategies/allgather.py) against the float64 reference: every
 layout, MHA and GQA, packed documents, N in {2, 4, 8}, outputs and gradients of q, k, v.
 
 Every layout of a case reuses one compiled program (positions are runtime data), so each case
@@ -30,13 +30,13 @@ def test_allgather_bf16(rng):
 def scatter_mode(monkeypatch):
     """Sets which platforms all-reduce instead of reduce-scattering dK/dV; the compiled
     programs (cached per configuration) are dropped before and after."""
-    from parallel import allgather, attention
+    from parallel.strategies import allgather, engine
 
     def set_mode(platforms):
-        attention._backward_program.cache_clear()
+        engine.backward_program.cache_clear()
         monkeypatch.setattr(allgather, "ALL_REDUCE_INSTEAD_OF_SCATTER", platforms)
     yield set_mode
-    attention._backward_program.cache_clear()
+    engine.backward_program.cache_clear()
 
 
 def test_allgather_with_reduce_scatter(rng, scatter_mode):

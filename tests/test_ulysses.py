@@ -1,4 +1,4 @@
-"""Ulysses and the hybrid usp (parallel/ulysses.py) against the float64 reference: every
+"""Ulysses and the hybrid usp (parallel/strategies/usp.py) against the float64 reference: every
 layout, MHA and GQA, packed documents, outputs and gradients of q, k, v; Ulysses over N in
 {2, 4, 8}, usp with (Ulysses degree, ring length) in {(2, 2), (2, 4), (4, 2)}; the head
 divisibility errors; the traffic of the hybrid.
