@@ -19,8 +19,8 @@ from parallel.kernels import accumulators as ac
 from parallel.kernels import fused, predicate, tables, tiling, xla
 from parallel.kernels.spec import RoundSpec, Tile
 from parallel.layouts import permutation
-from test_attention import (B, D, L, check, inputs, reference, rel_err, random_segments,
-                            ring_mesh, ring_outputs, run_all_layouts)
+from helpers import (B, D, L, check, inputs, reference, rel_err, random_segments, ring_mesh,
+                     ring_outputs, run_all_layouts)
 
 PALLAS = ("pallas_gpu", "pallas_tpu")
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
