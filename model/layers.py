@@ -73,7 +73,7 @@ class AttentionBackend:
                 stripe=self.stripe, block_q=self.block_q, block_kv=self.block_kv,
                 kernel=self.kernel, impl="ring" if self.impl == "dense" else self.impl,
                 ulysses=self.ulysses)
-        from parallel.blockwise import dense_attention
+        from parallel.kernels.xla import dense_attention
         B, L = q_BLHD.shape[:2]
         index_BL = jnp.broadcast_to(self.natural_index(L), (B, L))
         return dense_attention(q_BLHD, k_BLKD, v_BLKD, positions=index_BL,

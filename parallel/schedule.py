@@ -1,6 +1,6 @@
 """Work accounting of ring attention: tiles computed per device per round, per layout.
 
-Uses the kernel's own tile predicate (``parallel.blockwise.tile_case``) on the true positions
+Uses the kernel's own tile predicate (``parallel.kernels.predicate.tile_case``) on the true positions
 each device holds, so these counts are exactly the (q tile, kv tile) pairs the kernel computes
 for causal attention, with or without the packed-document mask. A ring round takes as long as
 its busiest device, so the critical path is the sum over rounds of the per-round maximum.
@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from parallel.blockwise import FULL, MASKED, SKIP, tile_case
+from parallel.kernels.predicate import FULL, MASKED, SKIP, tile_case
 from parallel.layouts import check, permutation
 
 
@@ -35,7 +35,7 @@ class Work:
         return int(self.tiles.max(axis=1).sum())
 
     def strategy_critical_path(self, impl: str = "ring", ulysses: int = 1) -> float:
-        """Attention time in tile units of a context-parallel strategy (``parallel/attention.py``)
+        """Attention time in tile units of a context-parallel strategy (``parallel/strategies``)
         from the same tile pairs: what waits for what differs, the pairs computed do not.
 
         ring: the sum over rounds of the busiest device. allgather: nothing waits between

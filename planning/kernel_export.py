@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from parallel import blockwise as bw
+from parallel.kernels import accumulators as ac
 from parallel.kernels import fused, tiling
 from parallel.kernels.spec import RoundSpec, Tile
 
@@ -46,10 +46,10 @@ def round_fn(case: Case):
     def f(q, k, v, do, pos, seg):
         seg = seg if case.has_seg else None
         query = fused.prepare(q, pos, seg, s)
-        kv = bw.KV(bw.to_kv_major(k), bw.to_kv_major(v), pos, seg)
-        acc = fused.attend(s, query, kv, bw.init_acc(bw.to_q_major(q, 1).astype(jnp.float32)))
-        out, lse = bw.finalize(acc)
-        do_q = bw.to_q_major(do, 1)
+        kv = ac.KV(ac.to_kv_major(k), ac.to_kv_major(v), pos, seg)
+        acc = fused.attend(s, query, kv, ac.init_acc(ac.to_q_major(q, 1).astype(jnp.float32)))
+        out, lse = ac.finalize(acc)
+        do_q = ac.to_q_major(do, 1)
         delta = jnp.sum(do_q.astype(jnp.float32) * out, -1)
         return fused.grads(s, query, kv, fused.fold_rows(do_q), fused.fold_rows(lse),
                            fused.fold_rows(delta), jnp.zeros(out.shape, jnp.float32))

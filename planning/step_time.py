@@ -77,7 +77,7 @@ def tiles_per_round(layout: str, seq_len: int, ring: int, block_q: int, block_kv
         from parallel.schedule import work
         return work(layout, seq_len, ring, block_q, stripe).tiles
     # Rectangular tiles: the same predicate, evaluated here.
-    from parallel.blockwise import SKIP, tile_case
+    from parallel.kernels.predicate import SKIP, tile_case
     from parallel.layouts import permutation
     chunk = seq_len // ring
     pos = permutation(layout, seq_len, ring, stripe).reshape(ring, chunk)

@@ -65,7 +65,8 @@ def build(kernel, args, chunk, case, platform):
     """(fwd, fwd_bwd) jitted functions of (q, k, v, do) for one kernel, and its flop counts."""
     import jax
     import jax.numpy as jnp
-    from parallel import blockwise as bw
+    from parallel.kernels import accumulators as ac
+    from parallel.kernels import xla
     from parallel import kernels
     from parallel.kernels import fused, tiling
     from parallel.kernels.spec import RoundSpec
@@ -87,19 +88,19 @@ def build(kernel, args, chunk, case, platform):
         blk = min(args.xla_block, chunk)
 
         def fwd(q, k, v, do):
-            q_s = bw.to_q_major(q.astype(jnp.float32) * scale, hkv)
-            kv = bw.KV(bw.to_kv_major(k), bw.to_kv_major(v), k_pos, None)
-            acc = bw.attend_block(q_s, kv, q_pos, None, bw.init_acc(q_s), block_q=blk, block_kv=blk)
-            return bw.from_q_major(bw.finalize(acc)[0]).astype(q.dtype)
+            q_s = ac.to_q_major(q.astype(jnp.float32) * scale, hkv)
+            kv = ac.KV(ac.to_kv_major(k), ac.to_kv_major(v), k_pos, None)
+            acc = xla.attend_block(q_s, kv, q_pos, None, ac.init_acc(q_s), block_q=blk, block_kv=blk)
+            return ac.from_q_major(ac.finalize(acc)[0]).astype(q.dtype)
 
         def fwd_bwd(q, k, v, do):
-            q_s = bw.to_q_major(q.astype(jnp.float32) * scale, hkv)
-            kv = bw.KV(bw.to_kv_major(k), bw.to_kv_major(v), k_pos, None)
-            acc = bw.attend_block(q_s, kv, q_pos, None, bw.init_acc(q_s), block_q=blk, block_kv=blk)
-            out, lse = bw.finalize(acc)
-            do_q = bw.to_q_major(do.astype(jnp.float32), hkv)
+            q_s = ac.to_q_major(q.astype(jnp.float32) * scale, hkv)
+            kv = ac.KV(ac.to_kv_major(k), ac.to_kv_major(v), k_pos, None)
+            acc = xla.attend_block(q_s, kv, q_pos, None, ac.init_acc(q_s), block_q=blk, block_kv=blk)
+            out, lse = ac.finalize(acc)
+            do_q = ac.to_q_major(do.astype(jnp.float32), hkv)
             delta = jnp.sum(do_q * out, -1)
-            return bw.attend_block_bwd(q_s, kv, q_pos, None, do_q, lse, delta, jnp.zeros_like(q_s),
+            return xla.attend_block_bwd(q_s, kv, q_pos, None, do_q, lse, delta, jnp.zeros_like(q_s),
                                        block_q=blk, block_kv=blk)
     else:
         interpret = kernels.interpret(kernel, platform)
@@ -110,16 +111,16 @@ def build(kernel, args, chunk, case, platform):
 
         def forward(q, k, v):
             query = fused.prepare(q, q_pos, None, spec)
-            kv = bw.KV(bw.to_kv_major(k), bw.to_kv_major(v), k_pos, None)
-            acc0 = bw.init_acc(bw.to_q_major(q, hkv).astype(jnp.float32))
-            return query, kv, bw.finalize(fused.attend(spec, query, kv, acc0))
+            kv = ac.KV(ac.to_kv_major(k), ac.to_kv_major(v), k_pos, None)
+            acc0 = ac.init_acc(ac.to_q_major(q, hkv).astype(jnp.float32))
+            return query, kv, ac.finalize(fused.attend(spec, query, kv, acc0))
 
         def fwd(q, k, v, do):
-            return bw.from_q_major(forward(q, k, v)[2][0]).astype(q.dtype)
+            return ac.from_q_major(forward(q, k, v)[2][0]).astype(q.dtype)
 
         def fwd_bwd(q, k, v, do):
             query, kv, (out, lse) = forward(q, k, v)
-            do_q = bw.to_q_major(do, hkv)
+            do_q = ac.to_q_major(do, hkv)
             delta = jnp.sum(do_q.astype(jnp.float32) * out, -1)
             return fused.grads(spec, query, kv, fused.fold_rows(do_q), fused.fold_rows(lse),
                                fused.fold_rows(delta), jnp.zeros(out.shape, jnp.float32))

@@ -1,5 +1,5 @@
-"""All-gather context parallelism (parallel/allgather.py) against the float64 reference: every
-layout, MHA and GQA, packed documents, N in {2, 4, 8}, outputs and gradients of q, k, v.
+"""All-gather context parallelism (parallel/strategies/allgather.py) against the float64
+reference: every layout, MHA and GQA, packed documents, N in {2, 4, 8}, outputs and gradients of q, k, v.
 
 Every layout of a case reuses one compiled program (positions are runtime data), so each case
 costs one compilation; the cases cover every value of each dimension.
@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from helpers import D, collectives, ring_mesh, run_all_layouts
 from parallel.attention import context_parallel_attention
-from test_attention import D, ring_mesh, run_all_layouts
 
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
 HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
@@ -30,13 +30,13 @@ def test_allgather_bf16(rng):
 def scatter_mode(monkeypatch):
     """Sets which platforms all-reduce instead of reduce-scattering dK/dV; the compiled
     programs (cached per configuration) are dropped before and after."""
-    from parallel import allgather, attention
+    from parallel.strategies import allgather, engine
 
     def set_mode(platforms):
-        attention._backward_program.cache_clear()
+        engine.backward_program.cache_clear()
         monkeypatch.setattr(allgather, "ALL_REDUCE_INSTEAD_OF_SCATTER", platforms)
     yield set_mode
-    attention._backward_program.cache_clear()
+    engine.backward_program.cache_clear()
 
 
 def test_allgather_with_reduce_scatter(rng, scatter_mode):
@@ -51,21 +51,6 @@ def test_allgather_through_the_fused_kernel(rng):
                     layouts=[("striped", 1), ("zigzag", 1)])
 
 
-def _collectives(jaxpr, out=None):
-    out = [] if out is None else out
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("all_gather", "reduce_scatter", "psum_scatter", "psum",
-                                  "psum_invariant", "ppermute", "all_to_all"):
-            out.append((eqn.primitive.name, str(eqn.invars[0].aval.dtype),
-                        tuple(eqn.invars[0].aval.shape)))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    _collectives(sub, out)
-    return out
-
-
 @pytest.mark.parametrize("scatter", [True, False], ids=["reduce_scatter", "cpu_all_reduce"])
 def test_allgather_traffic(scatter_mode, scatter):
     """Forward: K/V (the Hkv heads only, input dtype) and positions gathered once, nothing
@@ -77,10 +62,10 @@ def test_allgather_traffic(scatter_mode, scatter):
     kv = jnp.zeros((1, 8 * n, 1, D), jnp.bfloat16)
     f = lambda q, k, v: context_parallel_attention(q, k, v, mesh=ring_mesh(n), layout="striped",
                                                    block_q=4, impl="allgather")
-    fwd = _collectives(jax.make_jaxpr(f)(q, kv, kv).jaxpr)
+    fwd = collectives(jax.make_jaxpr(f)(q, kv, kv).jaxpr)
     block = (1, 1, 8, D)  # [B, Hkv, chunk, D] per device
     assert sorted(fwd) == sorted([("all_gather", "bfloat16", block)] * 2 + [("all_gather", "int32", (1, 8))])
-    both = _collectives(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, kv, kv).jaxpr)
+    both = collectives(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, kv, kv).jaxpr)
     reduce = [c for c in both if c[0] in ("reduce_scatter", "psum_scatter", "psum", "psum_invariant")]
     assert [c[1:] for c in reduce] == [("float32", (1, 1, 8 * n, D))] * 2
     assert all((c[0] in ("reduce_scatter", "psum_scatter")) == scatter for c in reduce)

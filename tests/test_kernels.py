@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import blockwise as bw
 from parallel import kernels
-from parallel.kernels import fused, tables, tiling
+from parallel.kernels import accumulators as ac
+from parallel.kernels import fused, predicate, tables, tiling, xla
 from parallel.kernels.spec import RoundSpec, Tile
 from parallel.layouts import permutation
-from test_attention import (B, D, L, check, inputs, reference, rel_err, random_segments,
-                            ring_mesh, ring_outputs, run_all_layouts)
+from helpers import (B, D, L, check, inputs, reference, rel_err, random_segments, ring_mesh,
+                     ring_outputs, run_all_layouts)
 
 PALLAS = ("pallas_gpu", "pallas_tpu")
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
@@ -181,7 +181,7 @@ def test_uneven_group_over_many_tiles(rng):
 
 def _brute(q_pos, k_pos, q_seg, k_seg, bq, bk):
     """[B, nq, nk] any-visible and all-visible per tile pair, from the elementwise mask."""
-    vis = bw.visible(q_pos, k_pos, q_seg, k_seg)  # [B, Cq, Ck]
+    vis = predicate.visible(q_pos, k_pos, q_seg, k_seg)  # [B, Cq, Ck]
     t = vis.reshape(vis.shape[0], q_pos.shape[1] // bq, bq, k_pos.shape[1] // bk, bk)
     return t.any((2, 4)), t.all((2, 4))
 
@@ -220,12 +220,12 @@ def test_visit_table_covers_every_visible_pair(rng, ordered):
                     assert np.all(visited[s]), "a tile with a visible pair is not visited"
                     assert np.all(e[unmasked]), "a tile run without the mask has a hidden pair"
                     if ordered:
-                        cases = np.stack([bw.tile_cases(q_pos[r], k_pos[r], q_seg[r], k_seg[r],
+                        cases = np.stack([predicate.tile_cases(q_pos[r], k_pos[r], q_seg[r], k_seg[r],
                                                         block_q=bq, block_kv=bk) for r in range(B)])
                         if table is t.by_kv:
                             cases = cases.transpose(0, 2, 1)
-                        assert np.array_equal(visited, cases != bw.SKIP)
-                        assert np.array_equal(unmasked, cases == bw.FULL)
+                        assert np.array_equal(visited, cases != predicate.SKIP)
+                        assert np.array_equal(unmasked, cases == predicate.FULL)
                 # an empty round is skipped whole only when nothing is visible
                 assert bool(t.any) >= bool(some.any())
                 if ordered:
@@ -253,13 +253,13 @@ def test_rows_with_no_visible_key_and_empty_rounds(rng, kernel):
     kv = [rng.standard_normal((1, c, hkv, D)).astype(np.float32) for _ in range(6)]
     q_pos = jnp.arange(c, 2 * c, dtype=jnp.int32)[None]
     q_seg = jnp.asarray(np.where(np.arange(c) % 8 == 0, 1, 0), jnp.int32)[None]  # rows 0, 8: doc 1
-    block = lambda k, v, pos, seg: bw.KV(bw.to_kv_major(jnp.asarray(k)), bw.to_kv_major(jnp.asarray(v)),
+    block = lambda k, v, pos, seg: ac.KV(ac.to_kv_major(jnp.asarray(k)), ac.to_kv_major(jnp.asarray(v)),
                                          jnp.asarray(pos, jnp.int32)[None], jnp.asarray(seg, jnp.int32)[None])
     a = block(kv[0], kv[1], np.arange(c), np.zeros(c))
     b = block(kv[2], kv[3], np.arange(c), np.ones(c))
     future = block(kv[4], kv[5], np.arange(2 * c, 3 * c), np.zeros(c))
     query = fused.prepare(jnp.asarray(q), q_pos, q_seg, spec)
-    acc0 = bw.init_acc(bw.to_q_major(jnp.asarray(q), hkv).astype(jnp.float32))
+    acc0 = ac.init_acc(ac.to_q_major(jnp.asarray(q), hkv).astype(jnp.float32))
 
     assert not bool(fused._visits(spec, spec.fwd, query, future).any)
     after_future = fused.attend(spec, query, future, acc0)
@@ -267,34 +267,34 @@ def test_rows_with_no_visible_key_and_empty_rounds(rng, kernel):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
     acc = fused.attend(spec, query, a, acc0)
-    out_a, lse_a = bw.finalize(acc)
+    out_a, lse_a = ac.finalize(acc)
     lonely = np.asarray(q_seg[0] == 1)
     assert np.all(np.isfinite(np.asarray(acc.o))) and np.all(np.isfinite(np.asarray(acc.m)))
-    assert np.all(np.asarray(bw.from_q_major(out_a))[0, lonely] == 0)
+    assert np.all(np.asarray(ac.from_q_major(out_a))[0, lonely] == 0)
     assert np.all(np.isinf(np.asarray(lse_a)[0, :, lonely]))
 
-    out, _ = bw.finalize(fused.attend(spec, query, b, acc))
+    out, _ = ac.finalize(fused.attend(spec, query, b, acc))
     k_all, v_all = np.concatenate([kv[0], kv[2]], 1), np.concatenate([kv[1], kv[3]], 1)
     s = np.einsum("qhd,khd->hqk", q[0].astype(np.float64), np.repeat(k_all[0], 2, 1)) / math.sqrt(D)
     vis = np.concatenate([np.zeros(c), np.ones(c)])[None, :] == np.asarray(q_seg[0])[:, None]
     p = np.exp(np.where(vis[None], s, -np.inf) - s.max(-1, keepdims=True))
     want = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.repeat(v_all[0], 2, 1))
-    assert rel_err(bw.from_q_major(out)[0], want) < 1e-5
+    assert rel_err(ac.from_q_major(out)[0], want) < 1e-5
 
     # backward with only block A seen: the lonely rows' lse is +inf
     do = rng.standard_normal(q.shape).astype(np.float32)
-    do_f = fused.fold_rows(bw.to_q_major(jnp.asarray(do), hkv))
-    delta = jnp.sum(bw.to_q_major(jnp.asarray(do), hkv) * out_a, -1)
+    do_f = fused.fold_rows(ac.to_q_major(jnp.asarray(do), hkv))
+    delta = jnp.sum(ac.to_q_major(jnp.asarray(do), hkv) * out_a, -1)
     dq0 = jnp.zeros_like(acc0.o)
     dq, dk, dv = fused.grads(spec, query, a, do_f, fused.fold_rows(lse_a), fused.fold_rows(delta), dq0)
     for g in (dq, dk, dv):
         assert np.all(np.isfinite(np.asarray(g)))
-    assert np.all(np.asarray(bw.from_q_major(dq))[0, lonely] == 0)
+    assert np.all(np.asarray(ac.from_q_major(dq))[0, lonely] == 0)
     # and it agrees with the XLA kernel's backward on the same inputs
-    q_s = bw.to_q_major(jnp.asarray(q), hkv) / math.sqrt(D)
-    do_q = bw.to_q_major(jnp.asarray(do), hkv)
+    q_s = ac.to_q_major(jnp.asarray(q), hkv) / math.sqrt(D)
+    do_q = ac.to_q_major(jnp.asarray(do), hkv)
     with jax.default_matmul_precision("highest"):  # a GPU's XLA rounds fp32 dots to TF32
-        want_dq, want_dk, want_dv = bw.attend_block_bwd(q_s, a, q_pos, q_seg, do_q, lse_a, delta,
+        want_dq, want_dk, want_dv = xla.attend_block_bwd(q_s, a, q_pos, q_seg, do_q, lse_a, delta,
                                                         dq0, block_q=8, block_kv=4)
     for g, w in ((dq, want_dq), (dk, want_dk), (dv, want_dv)):
         assert rel_err(g, w) < 1e-5

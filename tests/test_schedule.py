@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from parallel import blockwise as bw
+from parallel.kernels import predicate
 from parallel.layouts import permutation
 from parallel.schedule import ideal_speedup, tile_limit_speedup, work
 
@@ -82,9 +82,9 @@ def test_counts_equal_brute_force(layout, stripe, n):
             q_pos = perm[d * c:(d + 1) * c][None]
             s = (d - r) % n
             k_pos = perm[s * c:(s + 1) * c][None]
-            case = bw.tile_cases(q_pos, k_pos, block_q=block, block_kv=block)
-            assert w.tiles[r, d] == np.sum(case != bw.SKIP)
-            assert w.masked[r, d] == np.sum(case == bw.MASKED)
+            case = predicate.tile_cases(q_pos, k_pos, block_q=block, block_kv=block)
+            assert w.tiles[r, d] == np.sum(case != predicate.SKIP)
+            assert w.masked[r, d] == np.sum(case == predicate.MASKED)
             visible = 0
             for i in range(c // block):
                 for j in range(c // block):
@@ -146,12 +146,12 @@ def test_document_mask_counts_equal_kernel_predicate(layout, stripe, n):
     for r in range(n):
         for d in range(n):
             s = (d - r) % n
-            case = bw.tile_cases(pos_d(d), pos_d(s), seg_d(d), seg_d(s), block_q=block, block_kv=block)
-            assert w.tiles[r, d] == np.sum(case != bw.SKIP)
-            assert w.masked[r, d] == np.sum(case == bw.MASKED)
-            vis = bw.visible(pos_d(d), pos_d(s), seg_d(d), seg_d(s)).any(0)  # [Cq, Ck]
+            case = predicate.tile_cases(pos_d(d), pos_d(s), seg_d(d), seg_d(s), block_q=block, block_kv=block)
+            assert w.tiles[r, d] == np.sum(case != predicate.SKIP)
+            assert w.masked[r, d] == np.sum(case == predicate.MASKED)
+            vis = predicate.visible(pos_d(d), pos_d(s), seg_d(d), seg_d(s)).any(0)  # [Cq, Ck]
             needed = vis.reshape(c // block, block, c // block, block).any((1, 3))
-            assert np.all(case[needed] != bw.SKIP)
+            assert np.all(case[needed] != predicate.SKIP)
     assert w.total <= work(layout, seq_len, n, block, stripe).total
     ones = work(layout, seq_len, n, block, stripe, segment_ids=np.ones((2, seq_len), np.int32))
     np.testing.assert_array_equal(ones.tiles, work(layout, seq_len, n, block, stripe).tiles)

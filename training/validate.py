@@ -84,7 +84,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
         platform = jax.devices()[0].platform
     kernel = kernels.resolve(a.kernel, platform)
     if a.impl in ("ulysses", "usp"):
-        from parallel.ulysses import check_heads
+        from parallel.strategies.usp import check_heads
         try:
             check_heads(a.impl, m.num_heads // sizes["tensor"], m.num_kv_heads // sizes["tensor"], n,
                         a.ulysses)

@@ -1,14 +1,30 @@
-"""Per-round attention kernels and how one is chosen.
+"""Per-round attention kernels: the registry, and how one is chosen.
 
-Every kernel computes the same thing for one ring round: the queries of this device's chunk
-against one arriving K/V block, with the mask from true positions and segment ids.
+Every kernel computes the same thing for one ring round: a chunk of queries against one
+arriving K/V block, with the mask from true positions and segment ids, read by the one tile
+predicate (``predicate.py``), folded into the fp32 accumulators of ``accumulators.py``.
 
-- ``xla``: ``parallel/blockwise.py`` (fori_loop over tiles, fp32 einsums); right on a CPU.
-- ``pallas_gpu``: fused Pallas kernels, Triton backend (``parallel/kernels/pallas_gpu.py``).
-- ``pallas_tpu``: fused Pallas kernels, Mosaic backend (``parallel/kernels/pallas_tpu.py``).
+- ``xla``: ``xla.py`` (fori_loop over tiles, fp32 einsums); right on a CPU.
+- ``pallas_gpu``: fused Pallas kernels, Triton backend (``pallas_gpu.py``).
+- ``pallas_tpu``: fused Pallas kernels, Mosaic backend (``pallas_tpu.py``).
 - ``auto``: the fused kernel of the devices' platform, ``xla`` on a CPU.
 
-Tile sizes, their defaults and their rules: ``parallel/kernels/tiling.py``.
+The interface a strategy calls (its chunk-pair loop, ``Rounds``), per kernel module
+(:func:`rounds`), all functions of a ``spec.RoundSpec``:
+
+- ``queries(spec, q [B, S, Hq, D], pos, seg)``: the queries in the kernel's form;
+- ``attend(spec, queries, kv: KV, acc: Acc) -> Acc``: fold one K/V block in;
+- ``grad_queries(spec, q, pos, seg, do [B, K, S, G, D], lse, delta)``: the backward's form;
+- ``attend_grads(spec, grad_queries, kv, dq) -> (dq, dk, dv)``: dq accumulated (unscaled),
+  this block's fp32 dk/dv;
+- ``ANY_CHUNKS``: whether one call may hold several chunks of queries or keys (else the
+  strategy calls it chunk pair by chunk pair).
+
+``xla`` implements it itself. A fused kernel implements ``forward``/``backward_dq``/
+``backward_dkv`` over visit tables (``tables.py``) and ``fused.py`` turns it into the interface.
+A new kernel is one file plus one :data:`REGISTRY` entry.
+
+Tile sizes, their defaults and their rules: ``tiling.py``.
 
 A Pallas kernel asked for on a platform that is not its own (a CPU in the tests) runs in
 Pallas interpret mode: exact, slow. ``STRIPEDJAX_PALLAS_INTERPRET=1`` forces interpret mode
@@ -16,13 +32,38 @@ everywhere, ``=0`` never uses it (a GPU host then runs the real kernel in every 
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 
 from errors import KernelError
 
-KERNELS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
-NATIVE_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    platform: str | None  # where it runs natively (None: everywhere, never interpreted)
+    fused: bool  # a fused Pallas kernel over visit tables, driven through ``fused.py``
+
+
+# name -> entry; the module is ``parallel/kernels/<name>.py``
+REGISTRY = {
+    "xla": Kernel(platform=None, fused=False),
+    "pallas_gpu": Kernel(platform="gpu", fused=True),
+    "pallas_tpu": Kernel(platform="tpu", fused=True),
+}
+KERNELS = ("auto", *REGISTRY)
+NATIVE_PLATFORM = {name: k.platform for name, k in REGISTRY.items() if k.platform}
 AUTO = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}
+
+
+def module(kernel: str):
+    """The module of a resolved kernel (``parallel/kernels/<kernel>.py``), imported on demand."""
+    return importlib.import_module(f"{__name__}.{kernel}")
+
+
+def rounds(kernel: str):
+    """The per-round interface of a resolved kernel (see the module docstring)."""
+    return module("fused") if REGISTRY[kernel].fused else module(kernel)
 
 
 def first_device(mesh):
@@ -56,10 +97,10 @@ def tiles(kernel: str, attention) -> tuple[int | None, int | None]:
 
 def interpret(kernel: str, platform: str) -> bool:
     """Whether a (resolved) Pallas kernel runs in interpret mode on this platform."""
-    if kernel == "xla":
+    native = REGISTRY[kernel].platform
+    if native is None:
         return False
     forced = os.environ.get("STRIPEDJAX_PALLAS_INTERPRET", "")
     if forced in ("0", "1"):
         return forced == "1"
-    native = NATIVE_PLATFORM[kernel]
     return AUTO.get(platform) != kernel and platform != native

@@ -1,6 +1,6 @@
 """The tile math every fused kernel shares (values already loaded from refs, fp32 accumulators).
 
-Row conventions match ``parallel/blockwise.py``: the running max starts at a finite -1e30 and
+Row conventions match ``accumulators.py``: the running max starts at a finite ``M_INIT`` and
 masked scores are -inf, so a row that has seen no visible key keeps an all-zero accumulator and
 never produces NaN; a round's logsumexp is natural log and -inf for such a row. The backward
 takes the global logsumexp (+inf for a row with no visible key at all: ``exp(s - lse) = 0``).
@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-M_INIT = -1e30
+from parallel.kernels.accumulators import M_INIT
+
 _NT = (((1,), (1,)), ((), ()))  # a [m, d] . b [n, d] -> [m, n]
 _TN = (((0,), (0,)), ((), ()))  # a [m, n] . b [m, d] -> [n, d]
 _NN = (((1,), (0,)), ((), ()))  # a [m, n] . b [n, d] -> [m, d]

@@ -1,9 +1,13 @@
 """A fused (Pallas) kernel as one ring round: fold the layouts, call the kernel, merge rounds.
 
-The ring keeps the XLA kernel's fp32 accumulators (``blockwise.Acc``: numerator, running max,
-denominator). A fused forward returns one round's normalised output and logsumexp, which
-merge into them exactly: a round is an accumulator with ``m = lse`` and ``l = 1``. A round whose
-visit table is empty is skipped whole (no kernel launch).
+The per-round interface (``parallel/kernels/__init__.py``) of every fused kernel in the
+registry: ``spec.kernel`` names the module that implements ``forward``/``backward_dq``/
+``backward_dkv`` over visit tables (``tables.py``). The strategies keep the fp32 accumulators
+of ``accumulators.py`` (numerator, running max, denominator); a fused forward returns one
+round's normalised output and logsumexp, which merge into them exactly
+(``accumulators.merge``). A round whose visit table is empty is skipped whole (no kernel
+launch). One call holds one chunk of queries and one of keys (``ANY_CHUNKS``), so that the
+positions inside each side increase and the visit table is exact work.
 """
 from __future__ import annotations
 
@@ -13,9 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallel import blockwise as bw
+from parallel import kernels
+from parallel.kernels import accumulators as ac
 from parallel.kernels import tables
 from parallel.kernels.spec import RoundSpec, Tile
+
+ANY_CHUNKS = False
 
 
 class Query(NamedTuple):
@@ -29,11 +36,7 @@ class Query(NamedTuple):
 
 
 def _backend(spec: RoundSpec):
-    if spec.kernel == "pallas_gpu":
-        from parallel.kernels import pallas_gpu
-        return pallas_gpu
-    from parallel.kernels import pallas_tpu
-    return pallas_tpu
+    return kernels.module(spec.kernel)
 
 
 def fold_rows(x_BKCG):
@@ -48,36 +51,29 @@ def fold_kv(x_BKCD):
 
 
 def prepare(q_BCHD, pos_BC, seg_BC, spec: RoundSpec) -> Query:
-    q_BKCGD = bw.to_q_major(q_BCHD, spec.kv_heads)
+    q_BKCGD = ac.to_q_major(q_BCHD, spec.kv_heads)
     rep = lambda x: None if x is None else jnp.repeat(x, spec.group, axis=1)
     return Query(fold_rows(q_BKCGD), rep(pos_BC), rep(seg_BC), pos_BC, seg_BC)
 
 
-def _visits(spec, tile: Tile, query: Query, kv: bw.KV):
+def _visits(spec, tile: Tile, query: Query, kv: ac.KV):
     return tables.visits(query.pos, kv.pos, query.seg, kv.seg, block_q=tile.block_q,
                          block_kv=tile.block_kv, causal=spec.causal)
 
 
-def attend(spec: RoundSpec, query: Query, kv: bw.KV, acc: bw.Acc) -> bw.Acc:
+def attend(spec: RoundSpec, query: Query, kv: ac.KV, acc: ac.Acc) -> ac.Acc:
     """Folds one arriving K/V block into the accumulators (``[B, K, C, G, ...]`` fp32)."""
     t = _visits(spec, spec.fwd, query, kv)
 
     def run(acc):
         o, lse = _backend(spec).forward(spec, t.by_q, query.q, fold_kv(kv.k), fold_kv(kv.v),
                                         query.pos_rows, kv.pos, query.seg_rows, kv.seg)
-        return merge(acc, o.reshape(acc.o.shape), lse.reshape(acc.m.shape))
+        return ac.merge(acc, o.reshape(acc.o.shape), lse.reshape(acc.m.shape))
 
     return lax.cond(t.any, run, lambda acc: acc, acc)
 
 
-def merge(acc: bw.Acc, o, lse) -> bw.Acc:
-    """Adds a round's normalised output ``o`` and logsumexp (-inf: saw nothing) exactly."""
-    m = jnp.maximum(acc.m, lse)  # finite: acc.m starts at -1e30
-    alpha, beta = jnp.exp(acc.m - m), jnp.exp(lse - m)
-    return bw.Acc(acc.o * alpha[..., None] + o * beta[..., None], m, acc.l * alpha + beta)
-
-
-def grads(spec: RoundSpec, query: Query, kv: bw.KV, do_f, lse_f, delta_f, dq_BKCGD):
+def grads(spec: RoundSpec, query: Query, kv: ac.KV, do_f, lse_f, delta_f, dq_BKCGD):
     """One round of the backward: ``dq`` (accumulated, unscaled, ``[B, K, C, G, D]``) and this
     block's ``dk``/``dv`` ``[B, K, Ck, D]`` fp32. ``do_f``/``lse_f``/``delta_f`` are folded."""
     t_dq = _visits(spec, spec.dq, query, kv)
@@ -93,3 +89,21 @@ def grads(spec: RoundSpec, query: Query, kv: bw.KV, do_f, lse_f, delta_f, dq_BKC
         return dq, dk.reshape(zeros.shape), dv.reshape(zeros.shape)
 
     return lax.cond(t_dq.any, run, lambda dq: (dq, zeros, zeros), dq_BKCGD)
+
+
+# ----------------------------------------------------------------------------- round interface
+
+
+def queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS) -> Query:
+    return prepare(q_BSHD, pos_BS, seg_BS, spec)
+
+
+def grad_queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS, do_BKSGD, lse_BKSG, delta_BKSG):
+    """The backward's queries: the kernel reads ``do`` in the input dtype, folded like q."""
+    return (prepare(q_BSHD, pos_BS, seg_BS, spec), fold_rows(do_BKSGD), fold_rows(lse_BKSG),
+            fold_rows(delta_BKSG))
+
+
+def attend_grads(spec: RoundSpec, query, kv: ac.KV, dq_BKCGD):
+    prep, do_f, lse_f, delta_f = query
+    return grads(spec, prep, kv, do_f, lse_f, delta_f, dq_BKCGD)

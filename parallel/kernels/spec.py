@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 
 class Tile(NamedTuple):
-    """One fused kernel's tiles in positions, already fitted to the chunk, and the Triton launch
-    parameters it compiles with (``parallel/kernels/tiling.py``; Mosaic ignores them)."""
+    """One kernel's tiles in positions, already fitted to the chunk, and the Triton launch
+    parameters it compiles with (``parallel/kernels/tiling.py``; Mosaic and XLA ignore them)."""
 
     block_q: int
     block_kv: int
@@ -17,7 +17,7 @@ class Tile(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class RoundSpec:
-    kernel: str  # pallas_gpu | pallas_tpu
+    kernel: str  # xla | pallas_gpu | pallas_tpu (a REGISTRY name)
     fwd: Tile  # the forward kernel's tiles
     dq: Tile  # the dQ kernel's
     dkv: Tile  # the dK/dV kernel's (the backward's two may differ from the forward's)
@@ -27,4 +27,4 @@ class RoundSpec:
     scale: float  # softmax scale, applied to the fp32 scores inside the kernel
     causal: bool
     has_seg: bool
-    interpret: bool  # Pallas interpret mode (a CPU, or forced)
+    interpret: bool  # Pallas interpret mode (a CPU, or forced); False for xla

@@ -1,4 +1,4 @@
-"""Which tiles a fused kernel visits, from the one tile predicate (``blockwise.tile_case``).
+"""Which tiles a fused kernel visits, from the one tile predicate (``predicate.py``).
 
 For each q tile (forward, dQ) the kv tiles to visit are one range ``[lo, hi)`` with an
 unmasked sub-range ``[flo, fhi)``; for each kv tile (dK/dV) the q tiles likewise. Within a
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from parallel import blockwise as bw
+from parallel.kernels import predicate
 
 
 class Visits(NamedTuple):
@@ -29,8 +29,8 @@ class Visits(NamedTuple):
 def _ranges(cases):
     """``cases [..., n_outer, n_inner]`` -> ``[..., n_outer, 4]`` (lo, flo, fhi, hi)."""
     n = cases.shape[-1]
-    visit = cases != bw.SKIP
-    full = cases == bw.FULL
+    visit = cases != predicate.SKIP
+    full = cases == predicate.FULL
     idx = jnp.arange(n, dtype=jnp.int32)
     has = visit.any(-1)
     lo = jnp.where(has, jnp.argmax(visit, -1), 0).astype(jnp.int32)
@@ -46,13 +46,7 @@ def _ranges(cases):
 
 def visits(q_pos, k_pos, q_seg=None, k_seg=None, *, block_q, block_kv, causal=True) -> Visits:
     """Visit tables of one round: ``q_pos [B, Cq]``, ``k_pos [B, Ck]`` (and segment ids)."""
-    q_min, q_max = bw._tile_ranges(q_pos, block_q)
-    k_min, k_max = bw._tile_ranges(k_pos, block_kv)
-    seg = ()
-    if q_seg is not None:
-        qs_min, qs_max = bw._tile_ranges(q_seg, block_q)
-        ks_min, ks_max = bw._tile_ranges(k_seg, block_kv)
-        seg = (qs_min[..., :, None], qs_max[..., :, None], ks_min[..., None, :], ks_max[..., None, :])
-    cases = bw.tile_case(q_min[..., :, None], q_max[..., :, None], k_min[..., None, :],
-                         k_max[..., None, :], *seg, causal=causal)  # [B, nq, nk], per row
-    return Visits(_ranges(cases), _ranges(jnp.swapaxes(cases, -1, -2)), (cases != bw.SKIP).any())
+    cases = predicate.tile_cases(q_pos, k_pos, q_seg, k_seg, block_q=block_q, block_kv=block_kv,
+                                 causal=causal, per_row=True)  # [B, nq, nk]
+    return Visits(_ranges(cases), _ranges(jnp.swapaxes(cases, -1, -2)),
+                  (cases != predicate.SKIP).any())

@@ -139,9 +139,14 @@ def _check(kernel, names, tile: Tile, group, head_dim, chunk):
 
 def plan(kernel, block_q, block_kv, *, group, head_dim, dtype, chunk, seq_len, shards,
          interpret, arch="sm_90", names=("block_q", "block_kv")) -> tuple[Tile, Tile, Tile]:
-    """(forward, dQ, dK/dV) tiles a resolved Pallas kernel runs for one chunk: the user's
+    """(forward, dQ, dK/dV) tiles a resolved kernel runs for one chunk: the user's
     ``block_q``/``block_kv`` (0 or None: the defaults) for all three, fitted to the chunk and
-    checked (KernelError / ValueError naming ``names``)."""
+    checked (KernelError / ValueError naming ``names``). ``xla``: one tile for all three, the
+    user's or ``XLA_TILE``, clamped to the chunk or dividing it (:func:`tile_size`)."""
+    if kernel == "xla":
+        sizes = (tile_size(n, b or XLA_TILE, chunk, seq_len, shards)
+                 for n, b in zip(names, (block_q, block_kv)))
+        return (Tile(*sizes),) * 3
     tiles = []
     for tile in defaults(kernel, group, head_dim, dtype, arch):
         fitted = [tile_size(n, b, chunk, seq_len, shards) if b else _fit_default(d, chunk)

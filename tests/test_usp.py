@@ -1,4 +1,4 @@
-"""Ulysses and the hybrid usp (parallel/ulysses.py) against the float64 reference: every
+"""Ulysses and the hybrid usp (parallel/strategies/usp.py) against the float64 reference: every
 layout, MHA and GQA, packed documents, outputs and gradients of q, k, v; Ulysses over N in
 {2, 4, 8}, usp with (Ulysses degree, ring length) in {(2, 2), (2, 4), (4, 2)}; the head
 divisibility errors; the traffic of the hybrid.
@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from helpers import (B, D, L, check, collectives, inputs, ppermute_hops, random_segments,
+                     reference, ring_mesh, run_all_layouts)
 from parallel.attention import context_parallel_attention
 from parallel.layouts import inverse, permutation
-from test_allgather import _collectives
-from test_attention import (B, D, L, check, inputs, ppermute_hops, random_segments, reference,
-                            ring_mesh, run_all_layouts)
 
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
 
@@ -77,7 +76,7 @@ def test_usp_traffic():
     jaxpr = jax.make_jaxpr(f)(q, kv, kv).jaxpr
     block = (1, 2 // u, u * 8, D)  # [B, Hkv/U, U*C, D] per device
     assert ppermute_hops(jaxpr) == {("bfloat16", block): 2 * (n // u - 1), ("int32", (1, u * 8)): n // u - 1}
-    a2a = [c for c in _collectives(jaxpr) if c[0] == "all_to_all"]
+    a2a = [c for c in collectives(jaxpr) if c[0] == "all_to_all"]
     assert sorted(a2a) == sorted([("all_to_all", "bfloat16", (1, 8, 4, D)),  # q in
                                   ("all_to_all", "bfloat16", (1, 8 * u, 4 // u, D))]  # out back
                                  + [("all_to_all", "bfloat16", (1, 8, 2, D))] * 2)  # k, v in

@@ -1,0 +1,225 @@
+"""The ``xla`` kernel: blockwise attention of a chunk of queries against one K/V block, in
+plain XLA (fori_loops over tiles, fp32 einsums); right on a CPU. Also the dense reference.
+
+The kernel walks (q tile, kv tile) pairs with fp32 online-softmax accumulators (running max
+``m``, denominator ``l``, numerator ``o``: ``accumulators.py``). Each pair is skipped, computed
+without a mask, or computed with the mask, as decided by the one tile predicate
+(``predicate.py``) from the true positions (and segment ids) of the tile's queries and keys.
+
+Skipped tiles are never visited: per q tile (per kv tile in the backward) the kernel builds,
+at run time, the list of tiles to compute and loops over exactly those with a dynamic trip
+count; ``lax.cond`` then picks the masked or unmasked body. Nothing is unrolled, so the code
+size does not grow with the number of tiles, and skipping never depends on XLA resolving a
+conditional at compile time. Its work lists span any number of chunks, so a strategy hands it
+all its queries and a whole (gathered) K/V block in one call (``ANY_CHUNKS``).
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from parallel.kernels import accumulators as ac
+from parallel.kernels import predicate
+from parallel.kernels.spec import RoundSpec
+
+ANY_CHUNKS = True  # one call may hold any number of chunks of queries and of keys
+
+
+# ----------------------------------------------------------------------------- round interface
+
+
+def queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS):
+    """This device's queries as the kernel reads them: scaled fp32 ``[B, K, S, G, D]``."""
+    return ac.to_q_major(q_BSHD.astype(jnp.float32) * spec.scale, spec.kv_heads), pos_BS, seg_BS
+
+
+def attend(spec: RoundSpec, query, kv: ac.KV, acc: ac.Acc) -> ac.Acc:
+    q_s, pos, seg = query
+    return attend_block(q_s, kv, pos, seg, acc, block_q=spec.fwd.block_q,
+                        block_kv=spec.fwd.block_kv, causal=spec.causal)
+
+
+def grad_queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS, do_BKSGD, lse_BKSG, delta_BKSG):
+    """The backward's queries: :func:`queries` with the fp32 output cotangent and row stats."""
+    return (*queries(spec, q_BSHD, pos_BS, seg_BS), do_BKSGD.astype(jnp.float32), lse_BKSG,
+            delta_BKSG)
+
+
+def attend_grads(spec: RoundSpec, query, kv: ac.KV, dq_BKSGD):
+    q_s, pos, seg, do, lse, delta = query
+    return attend_block_bwd(q_s, kv, pos, seg, do, lse, delta, dq_BKSGD, block_q=spec.dq.block_q,
+                            block_kv=spec.dq.block_kv, causal=spec.causal)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal):
+    """``[B, 1, bq, 1, bk]`` visibility mask broadcastable against scores ``[B, K, bq, G, bk]``."""
+    return predicate.visible(q_pos, k_pos, q_seg, k_seg, causal=causal)[:, None, :, None, :]
+
+
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _seg_slice(seg, start, size):
+    return None if seg is None else _slice(seg, start, size, 1)
+
+
+def _work_lists(cases, axis):
+    """Per row of ``cases`` (axis=1: per q tile over kv tiles; axis=0: per kv tile over q
+    tiles): the indices of the tiles to compute, in ascending order, and how many there are.
+
+    The kernel loops over exactly these: skipped tiles cost nothing, not even a branch.
+    """
+    skip = (cases == predicate.SKIP) if axis == 1 else (cases == predicate.SKIP).T
+    order = jnp.argsort(skip, axis=1, stable=True).astype(jnp.int32)  # computed tiles first
+    return order, jnp.sum(~skip, axis=1, dtype=jnp.int32)
+
+
+def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, block_kv, causal=True):
+    """Folds one K/V block into the accumulators of a chunk of (already scaled, fp32) queries.
+
+    ``q_pos``/``q_seg`` are ``[B, Cq]``; ``kv`` holds ``[B, K, Ck, D]`` keys and values in any
+    float dtype (cast to fp32 once here) and their ``[B, Ck]`` positions / segment ids.
+    """
+    _, _, cq, _, _ = q_BKCGD.shape
+    nq = cq // block_q
+    k = kv.k.astype(jnp.float32)
+    v = kv.v.astype(jnp.float32)
+    cases = predicate.tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv,
+                                 causal=causal)
+    order, counts = _work_lists(cases, axis=1)
+
+    def q_tile(i, acc):
+        qs = i * block_q
+        q_t = _slice(q_BKCGD, qs, block_q, 2)
+        qp_t = _slice(q_pos, qs, block_q, 1)
+        qg_t = _seg_slice(q_seg, qs, block_q)
+        tile_acc = ac.Acc(*(_slice(a, qs, block_q, 2) for a in acc))
+
+        def kv_tile(t, tile_acc):
+            j = order[i, t]
+            ks = j * block_kv
+            k_t = _slice(k, ks, block_kv, 2)
+            v_t = _slice(v, ks, block_kv, 2)
+
+            def compute(masked):
+                def branch(a: ac.Acc):
+                    s = jnp.einsum("bkqgd,bkmd->bkqgm", q_t, k_t)
+                    if masked:
+                        mask = _tile_mask(qp_t, _slice(kv.pos, ks, block_kv, 1), qg_t,
+                                          _seg_slice(kv.seg, ks, block_kv), causal)
+                        s = jnp.where(mask, s, -jnp.inf)
+                    m_new = jnp.maximum(a.m, s.max(-1))
+                    p = jnp.exp(s - m_new[..., None])
+                    alpha = jnp.exp(a.m - m_new)
+                    o = a.o * alpha[..., None] + jnp.einsum("bkqgm,bkmd->bkqgd", p, v_t)
+                    return ac.Acc(o, m_new, a.l * alpha + p.sum(-1))
+                return branch
+
+            masked = cases[i, j] == predicate.MASKED
+            return lax.cond(masked, compute(True), compute(False), tile_acc)
+
+        tile_acc = lax.fori_loop(0, counts[i], kv_tile, tile_acc)
+        return ac.Acc(*(lax.dynamic_update_slice_in_dim(a, t, qs, axis=2)
+                        for a, t in zip(acc, tile_acc)))
+
+    return lax.fori_loop(0, nq, q_tile, acc)
+
+
+def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta_BKCG, dq_BKCGD,
+                     *, block_q, block_kv, causal=True):
+    """Gradient contributions of one K/V block.
+
+    ``q`` is the scaled fp32 query chunk, ``do`` the fp32 output cotangent, ``delta`` the
+    row sums of ``do * out``. Returns ``(dq, dk, dv)``: ``dq`` accumulated onto ``dq_BKCGD``
+    (still to be multiplied by the softmax scale), ``dk``/``dv`` ``[B, K, Ck, D]`` fp32
+    contributions of this block (``dk`` already w.r.t. unscaled keys since ``q`` is scaled).
+    """
+    ck = kv.k.shape[2]
+    nk = ck // block_kv
+    k = kv.k.astype(jnp.float32)
+    v = kv.v.astype(jnp.float32)
+    cases = predicate.tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv,
+                                 causal=causal)
+    order, counts = _work_lists(cases, axis=0)
+    dkv_shape = k.shape[:2] + (block_kv,) + k.shape[3:]
+
+    def kv_tile(j, carry):
+        dq, dk, dv = carry
+        ks = j * block_kv
+        k_t = _slice(k, ks, block_kv, 2)
+        v_t = _slice(v, ks, block_kv, 2)
+        kp_t = _slice(kv.pos, ks, block_kv, 1)
+        kg_t = _seg_slice(kv.seg, ks, block_kv)
+
+        def q_tile(t, carry):
+            dq, dk_t, dv_t = carry
+            i = order[j, t]
+            qs = i * block_q
+            q_t = _slice(q_BKCGD, qs, block_q, 2)
+            do_t = _slice(do_BKCGD, qs, block_q, 2)
+            lse_t = _slice(lse_BKCG, qs, block_q, 2)
+            delta_t = _slice(delta_BKCG, qs, block_q, 2)
+
+            def compute(masked):
+                def branch(args):
+                    dq_t, dk_t, dv_t = args
+                    s = jnp.einsum("bkqgd,bkmd->bkqgm", q_t, k_t)
+                    p = jnp.exp(s - lse_t[..., None])
+                    if masked:
+                        mask = _tile_mask(_slice(q_pos, qs, block_q, 1), kp_t,
+                                          _seg_slice(q_seg, qs, block_q), kg_t, causal)
+                        p = jnp.where(mask, p, 0.0)
+                    dv_t = dv_t + jnp.einsum("bkqgm,bkqgd->bkmd", p, do_t)
+                    dp = jnp.einsum("bkqgd,bkmd->bkqgm", do_t, v_t)
+                    ds = p * (dp - delta_t[..., None])
+                    dq_t = dq_t + jnp.einsum("bkqgm,bkmd->bkqgd", ds, k_t)
+                    dk_t = dk_t + jnp.einsum("bkqgm,bkqgd->bkmd", ds, q_t)
+                    return dq_t, dk_t, dv_t
+                return branch
+
+            dq_t, dk_t, dv_t = lax.cond(cases[i, j] == predicate.MASKED, compute(True),
+                                        compute(False), (_slice(dq, qs, block_q, 2), dk_t, dv_t))
+            return lax.dynamic_update_slice_in_dim(dq, dq_t, qs, axis=2), dk_t, dv_t
+
+        zeros = ac.zeros(k, dkv_shape)
+        dq, dk_t, dv_t = lax.fori_loop(0, counts[j], q_tile, (dq, zeros, zeros))
+        return (dq, lax.dynamic_update_slice_in_dim(dk, dk_t, ks, axis=2),
+                lax.dynamic_update_slice_in_dim(dv, dv_t, ks, axis=2))
+
+    return lax.fori_loop(0, nk, kv_tile, (dq_BKCGD, ac.zeros(k), ac.zeros(k)))
+
+
+# ----------------------------------------------------------------------------- dense reference
+
+
+def dense_attention(q, k, v, *, positions=None, segment_ids=None, causal=True):
+    """Plain attention in natural order: q ``[B, L, Hq, D]``, k/v ``[B, L, Hkv, D]``.
+
+    Mask: same segment and ``k_pos <= q_pos``. GQA groups query heads per kv head instead of
+    repeating K/V. fp32 inside, returns ``q.dtype``. Rows with no visible key return 0.
+    """
+    b, length, hq, d = q.shape
+    hkv = k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    q_BKLGD = ac.to_q_major(q.astype(jnp.float32), hkv) * (1.0 / math.sqrt(d))
+    k_BKLD = ac.to_kv_major(k.astype(jnp.float32))
+    v_BKLD = ac.to_kv_major(v.astype(jnp.float32))
+    s = jnp.einsum("bkqgd,bkmd->bkqgm", q_BKLGD, k_BKLD)
+    mask = _tile_mask(positions, positions, segment_ids, segment_ids, causal)
+    s = jnp.where(mask, s, -jnp.inf)
+    m = s.max(-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), lax.stop_gradient(m), 0.0)
+    p = jnp.exp(s - m)  # exactly 0 where masked, also for its gradient
+    denom = p.sum(-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkqgm,bkmd->bkqgd", p, v_BKLD)
+    return ac.from_q_major(out).astype(q.dtype)

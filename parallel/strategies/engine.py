@@ -1,0 +1,104 @@
+"""The one engine every strategy runs on: per device, its queries meet K/V blocks for ``hops``
+ring rounds, and the compiled (jit + shard_map) programs of the forward and the backward.
+
+Forward: the next block's transfer is issued before the current block's compute (independent
+of it, so XLA can overlap them); the last round sends nothing. Backward: dQ accumulates
+locally; each block's dK/dV accumulator travels one hop behind the K/V prefetch and arrives
+home after ``hops`` hops. One round (``hops == 1``: allgather, ulysses) moves nothing.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from parallel import strategies
+from parallel.strategies.rounds import Rounds
+
+
+def ring_forward(strategy, kv, acc, attend):
+    if strategy.hops == 1:
+        return attend(kv, acc)
+
+    def round_(_, carry):
+        kv, acc = carry
+        kv_next = strategy.shift(kv)
+        return kv_next, attend(kv, acc)
+
+    kv, acc = lax.fori_loop(0, strategy.hops - 1, round_, (kv, acc))
+    return attend(kv, acc)
+
+
+def ring_backward(strategy, kv, dq, grads):
+    """Returns ``(dq, dk, dv)``; ``dk``/``dv`` of the block this device started with."""
+    if strategy.hops == 1:
+        return grads(kv, dq)
+    shift = strategy.shift
+    kv_next = shift(kv)
+    dq, dk, dv = grads(kv, dq)
+
+    def round_(kv_next, dq, dkv, prefetch):
+        # dK/dV of the block computed last round move on while this round computes fresh
+        # contributions for the block that just arrived; they meet afterwards.
+        dkv_in = shift(dkv)
+        kv = kv_next
+        kv_next = shift(kv) if prefetch else None
+        dq, dk, dv = grads(kv, dq)
+        return kv_next, dq, (dkv_in[0] + dk, dkv_in[1] + dv)
+
+    kv_next, dq, dkv = lax.fori_loop(1, strategy.hops - 1, lambda _, c: round_(*c, prefetch=True),
+                                     (kv_next, dq, (dk, dv)))
+    _, dq, dkv = round_(kv_next, dq, dkv, prefetch=False)
+    dk, dv = shift(dkv)  # the final hop brings each block's gradient home
+    return dq, dk, dv
+
+
+def forward_local(call):
+    """Per device: sequence-sharded q, k, v, positions, segment ids -> output (sequence-sharded)
+    and the logsumexp in whatever layout this strategy's backward reads."""
+    strategy = strategies.get(call)
+
+    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
+        q, pos, seg, kv = strategy.meet(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC)
+        r = Rounds(call, q, pos, seg, kv.k.shape[1], q_BCHD.shape[1])
+        out, lse = r.finish(ring_forward(strategy, kv, r.init(), r.attend))
+        return strategy.to_seq(out), lse
+    return local
+
+
+def backward_local(call):
+    strategy = strategies.get(call)
+
+    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKSG, dout_BCHD):
+        # Row sums of dout * out where the output lives: [B, C, Hq] moves instead of the output.
+        delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
+        q, pos, seg, kv = strategy.meet(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC)
+        r = Rounds(call, q, pos, seg, kv.k.shape[1], q_BCHD.shape[1], lse_BKSG,
+                   strategy.to_heads(dout_BCHD), strategy.to_heads(delta))
+        dq, dk, dv = ring_backward(strategy, kv, r.zeros_dq(), r.grads)
+        return (strategy.to_seq(r.finish_dq(dq)), strategy.home(dk, k_BCKD.dtype),
+                strategy.home(dv, v_BCKD.dtype))
+    return local
+
+
+# One jitted program per configuration, reused across calls: eager callers (and layouts that
+# differ only in the runtime positions) then share one compilation. Every strategy maps the
+# same sequence-sharded inputs to the same outputs; the logsumexp residual is in whatever
+# per-device layout the strategy's backward reads.
+@functools.lru_cache(maxsize=None)
+def forward_program(call, has_seg: bool):
+    qspec = call.spec("b", "s", "h", None)
+    return jax.jit(jax.shard_map(forward_local(call), mesh=call.mesh,
+                                 in_specs=call.fwd_specs(has_seg),
+                                 out_specs=(qspec, call.lse_spec()),
+                                 check_vma=call.kernel == "xla"))
+
+
+@functools.lru_cache(maxsize=None)
+def backward_program(call, has_seg: bool):
+    qspec = call.spec("b", "s", "h", None)
+    return jax.jit(jax.shard_map(backward_local(call), mesh=call.mesh,
+                                 in_specs=call.bwd_specs(has_seg),
+                                 out_specs=(qspec, qspec, qspec), check_vma=call.kernel == "xla"))
