@@ -311,3 +311,16 @@ def test_the_hybrid_beats_a_64_device_ring_across_nodes():
     # all-gather holds every chunk's K/V and fp32 dK/dV: 64 x what one ring block is
     s = step_time.shape_of(config, mesh, 1)
     assert st["allgather zigzag"]["attention_buffers_bytes"] == 64 * sum(step_time._kv_bytes(s))
+
+
+def test_planner_and_mfu_read_one_peak_table():
+    """The planner's peaks are the trainer's MFU peaks (accelerators.py), for each device kind."""
+    from types import SimpleNamespace
+
+    from training.mfu import peak_flops_total
+    kinds = {"h100": "NVIDIA H100 80GB HBM3", "a100": "NVIDIA A100-SXM4-80GB",
+             "h200": "NVIDIA H200", "tpu-v4": "TPU v4", "v5e": "TPU v5 lite"}
+    assert set(kinds) == set(HARDWARE)
+    for name, kind in kinds.items():
+        devices = [SimpleNamespace(platform="gpu", device_kind=kind)] * 8
+        assert peak_flops_total(devices) == 8 * HARDWARE[name].peak_flops, name
