@@ -2,7 +2,8 @@
 
 train.py leaves ``config.json``, ``tokenizer.json``, ``tokenizer_fingerprint.txt`` and
 ``checkpoints/`` in the run directory; with those, generate/eval need neither the data cache
-nor the command line the run was started with.
+nor the command line the run was started with. The model to restore into is built above this
+layer (``model.decoder.single_device_model``); this module does not know the model.
 """
 from __future__ import annotations
 
@@ -60,24 +61,3 @@ def open_run(directory: str | pathlib.Path, log=_log) -> Run:
                               f"tokenizer_fingerprint.txt ({fp} vs {fp_file.read_text().strip()})")
     return Run(d, config, tokenizer, fp, Checkpoints(d / "checkpoints", log=log))
 
-
-def single_device_params(config):
-    """Abstract parameters of ``config``'s model on device 0 (dense, contiguous: parameters
-    depend on neither the mesh nor the layout), to restore a checkpoint for one device."""
-    return single_device_model(config)[1]
-
-
-def single_device_model(config):
-    """(graphdef, abstract params on device 0) of the run's model, dense and contiguous."""
-    import jax
-    from flax import nnx
-    from jax.sharding import SingleDeviceSharding
-
-    from model.decoder import Decoder
-    from model.layers import AttentionBackend
-    abstract = nnx.eval_shape(lambda: Decoder(config.model, AttentionBackend(), nnx.Rngs(0)))
-    graphdef, params = nnx.split(abstract, nnx.Param)
-    on_device = SingleDeviceSharding(jax.devices()[0])
-    return graphdef, jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
-        nnx.to_pure_dict(params))

@@ -135,8 +135,9 @@ def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str =
     import jax
     import ml_dtypes
 
-    from checkpoints.rundir import open_run, single_device_params
+    from checkpoints.rundir import open_run
     from data.tokenizer import EOS_NAMES
+    from model.decoder import single_device_params
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = pathlib.Path(out).expanduser().absolute()

@@ -128,3 +128,21 @@ def backend_from_config(config, mesh=None) -> AttentionBackend:
     return AttentionBackend(impl=a.impl, layout=a.layout, kernel=kernel, stripe=a.stripe,
                             block_q=block_q, block_kv=block_kv, mesh=mesh,
                             document_mask=bool(a.document_mask), ulysses=int(a.get("ulysses", 1)))
+
+
+def single_device_model(config):
+    """(graphdef, abstract params on device 0) of ``config``'s model, dense and contiguous:
+    parameters depend on neither the mesh nor the layout, so a run's checkpoint restores into
+    them on one device (scripts/generate.py, the Hugging Face export)."""
+    from jax.sharding import SingleDeviceSharding
+    abstract = nnx.eval_shape(lambda: Decoder(config.model, AttentionBackend(), nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    on_device = SingleDeviceSharding(jax.devices()[0])
+    return graphdef, jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
+        nnx.to_pure_dict(params))
+
+
+def single_device_params(config):
+    """Abstract parameters of ``config``'s model on device 0, to restore a checkpoint into."""
+    return single_device_model(config)[1]

@@ -56,8 +56,9 @@ class Work:
 
 
 def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1,
-         segment_ids=None) -> Work:
-    """Per-device, per-round tile counts of causal ring attention with square tiles of ``block``.
+         segment_ids=None, block_kv: int | None = None) -> Work:
+    """Per-device, per-round tile counts of causal ring attention with square tiles of ``block``
+    (rectangular ``block`` x ``block_kv`` tiles when ``block_kv`` is given: q x kv).
 
     Round ``r``: device ``d`` holds its own queries and the K/V block of device ``d - r mod N``.
     ``segment_ids [B, L]`` (natural order, as packed) restrict attention to each document, as
@@ -66,17 +67,19 @@ def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1
     """
     check(layout, seq_len, num_shards, stripe)
     n, chunk = num_shards, seq_len // num_shards
-    if block < 1 or chunk % block:
-        raise ValueError(f"block={block} does not divide the per-device chunk of {chunk} tokens "
-                         f"(seq_len {seq_len} / {n} shards)")
+    block_kv = block if block_kv is None else block_kv
+    for name, b in (("block", block), ("block_kv", block_kv)):
+        if b < 1 or chunk % b:
+            raise ValueError(f"{name}={b} does not divide the per-device chunk of {chunk} tokens "
+                             f"(seq_len {seq_len} / {n} shards)")
     perm = permutation(layout, seq_len, n, stripe)
-    pos = perm.reshape(n, chunk // block, block)
-    lo, hi = pos.min(-1), pos.max(-1)  # [device, tile]
+    lo, hi = _ranges(perm, n, block)  # [device, q tile]
+    klo, khi = _ranges(perm, n, block_kv)  # [device, kv tile]
     d = np.arange(n)
     src = (d[None, :] - d[:, None]) % n  # [round, device] -> device whose K/V block it holds
-    seg = () if segment_ids is None else _segment_ranges(segment_ids, perm, src, n, block)
+    seg = () if segment_ids is None else _segment_ranges(segment_ids, perm, src, n, block, block_kv)
     case = tile_case(lo[None, :, :, None], hi[None, :, :, None],
-                     lo[src][:, :, None, :], hi[src][:, :, None, :], *seg, causal=True)
+                     klo[src][:, :, None, :], khi[src][:, :, None, :], *seg, causal=True)
     if case.ndim == 5:  # [row, round, device, q tile, kv tile]: combine the rows
         case = np.where((case == SKIP).all(0), SKIP, np.where((case == FULL).all(0), FULL, MASKED))
     tiles = (case != SKIP).sum(axis=(-2, -1))
@@ -106,16 +109,23 @@ def strategy_rounds(tiles: np.ndarray, impl: str = "ring", ulysses: int = 1) -> 
     return groups[g[None, :], (g[None, :] - g[:, None]) % r].max(axis=1)  # [round]
 
 
-def _segment_ranges(segment_ids, perm, src, n, block):
+def _ranges(x, n, block):
+    """min and max of ``x [..., L]`` over the tiles of ``block`` of each of ``n`` chunks:
+    two ``[..., n, tiles]``."""
+    t = x.reshape(*x.shape[:-1], n, -1, block)
+    return t.min(-1), t.max(-1)
+
+
+def _segment_ranges(segment_ids, perm, src, n, block, block_kv):
     """Per-row segment id ranges of the query tiles ``[B, 1, device, tile, 1]`` and of the
     kv tiles held in each round ``[B, round, device, 1, tile]``."""
     seg = np.asarray(segment_ids)
     if seg.ndim != 2 or seg.shape[1] != perm.size:
         raise ValueError(f"segment_ids must be [B, {perm.size}], got {seg.shape}")
-    tiles = seg[:, perm].reshape(seg.shape[0], n, -1, block)
-    lo, hi = tiles.min(-1), tiles.max(-1)  # [row, device, tile]
+    lo, hi = _ranges(seg[:, perm], n, block)  # [row, device, q tile]
+    klo, khi = _ranges(seg[:, perm], n, block_kv)  # [row, device, kv tile]
     return (lo[:, None, :, :, None], hi[:, None, :, :, None],
-            lo[:, src][:, :, :, None, :], hi[:, src][:, :, :, None, :])
+            klo[:, src][:, :, :, None, :], khi[:, src][:, :, :, None, :])
 
 
 def ideal_speedup(num_shards: int) -> float:

@@ -33,6 +33,7 @@ import dataclasses
 import numpy as np
 
 from model.flops import flops_per_token, head_dim, matmul_params
+from parallel.schedule import strategy_rounds, work
 from planning import collectives as coll
 from planning.hardware import Hardware, link_bandwidth
 
@@ -68,26 +69,6 @@ def shape_of(config, mesh_sizes: dict, global_rows: int, dtype_bytes: int = 2) -
                  q_heads=m.num_heads // t, kv_heads=m.num_kv_heads // t, head_dim=head_dim(m),
                  block_q=min(a.block_q, chunk), block_kv=min(a.block_kv, chunk),
                  dtype_bytes=dtype_bytes)
-
-
-def tiles_per_round(layout: str, seq_len: int, ring: int, block_q: int, block_kv: int,
-                    stripe: int = 1) -> np.ndarray:
-    """``[rounds, devices]`` tile pairs each device computes (masked or not) in each round."""
-    if block_q == block_kv:
-        from parallel.schedule import work
-        return work(layout, seq_len, ring, block_q, stripe).tiles
-    # Rectangular tiles: the same predicate, evaluated here.
-    from parallel.kernels.predicate import SKIP, tile_case
-    from parallel.layouts import permutation
-    chunk = seq_len // ring
-    pos = permutation(layout, seq_len, ring, stripe).reshape(ring, chunk)
-    qp = pos.reshape(ring, chunk // block_q, block_q)
-    kp = pos.reshape(ring, chunk // block_kv, block_kv)
-    d = np.arange(ring)
-    src = (d[None, :] - d[:, None]) % ring
-    case = tile_case(qp.min(-1)[None, :, :, None], qp.max(-1)[None, :, :, None],
-                     kp.min(-1)[src][:, :, None, :], kp.max(-1)[src][:, :, None, :], causal=True)
-    return (case != SKIP).sum(axis=(-2, -1))
 
 
 def ring_layer_time(tiles: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, remat: str) -> dict:
@@ -151,7 +132,6 @@ def strategy_layer_time(impl: str, tiles: np.ndarray, s: Shape, hw: Hardware, re
                         mesh_sizes: dict, ulysses: int = 1) -> dict:
     """Seconds of one layer's attention with ``impl`` (ring | allgather | ulysses | usp),
     from the ring's ``tiles [rounds, devices]``. Adds the collective time and the links used."""
-    from parallel.schedule import strategy_rounds
     n = s.ring
     u = n if impl == "ulysses" else (ulysses if impl == "usp" else 1)
     busiest = strategy_rounds(tiles, impl, u)
@@ -279,7 +259,8 @@ def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, r
     out = {}
     for layout in layouts:
         stripe = config.attention.stripe if layout == "striped" else 1
-        tiles = tiles_per_round(layout, config.data.seq_len, s.ring, s.block_q, s.block_kv, stripe)
+        tiles = work(layout, config.data.seq_len, s.ring, s.block_q, stripe,
+                     block_kv=s.block_kv).tiles
         ring = ring_layer_time(tiles, s, hw, ring_bw, remat)
         step = m.num_layers * ring["total_s"] + dense["total_s"]
         out[layout] = {
@@ -324,7 +305,8 @@ def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware,
     out = {}
     for layout in layouts:
         stripe = config.attention.stripe if layout == "striped" else 1
-        tiles = tiles_per_round(layout, config.data.seq_len, s.ring, s.block_q, s.block_kv, stripe)
+        tiles = work(layout, config.data.seq_len, s.ring, s.block_q, stripe,
+                     block_kv=s.block_kv).tiles
         for impl, u in candidates:
             name = f"usp(U={u})" if impl == "usp" else impl
             t = strategy_layer_time(impl, tiles, s, hw, remat, mesh_sizes, u)

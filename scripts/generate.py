@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     from training.entry import script_main, stderr
 
     def run_generate() -> int:
-        from checkpoints.rundir import open_run, single_device_model
+        from checkpoints.rundir import open_run
+        from model.decoder import single_device_model
         check_args(args)
         run = open_run(args.run)
         graphdef, abstract = single_device_model(run.config)

@@ -26,8 +26,14 @@ def generated(run_dir, tmp_path, name, *args):
     return out, json.loads(out_json.read_text())
 
 
-def test_generate_greedy_matches_the_model_and_top1_sampling(run_dir, tmp_path):
-    out, greedy = generated(run_dir, tmp_path, "greedy", "--greedy")
+@pytest.fixture(scope="module")
+def greedy_run(run_dir, tmp_path_factory):
+    """generate.py --greedy on the trained run, once for the tests that compare with it."""
+    return generated(run_dir, tmp_path_factory.mktemp("greedy"), "greedy", "--greedy")
+
+
+def test_generate_greedy_matches_the_model_and_top1_sampling(run_dir, greedy_run, tmp_path):
+    out, greedy = greedy_run
     tok = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     assert greedy["step"] == tr.STEPS and 1 <= len(greedy["tokens"]) <= 12
     assert out.stdout == PROMPT + greedy["text"] + "\n"
@@ -124,12 +130,12 @@ def test_context_lengths_and_buckets_against_a_direct_count():
             assert abs(r["loss"] - want) <= 1e-9 * want
 
 
-def test_generate_is_greedy_by_default_and_json_alone_prints_one_object(run_dir, tmp_path):
+def test_generate_is_greedy_by_default_and_json_alone_prints_one_object(run_dir, greedy_run):
     """--json with no file prints exactly one JSON object on stdout: the ids and text of the
     default (greedy) continuation, equal to --greedy's. With more new tokens the window grows
     (64 to 128 slots here) and the first tokens stay the same: the padding slots, at position
     0 after the current length, change nothing."""
-    _, greedy = generated(run_dir, tmp_path, "greedy", "--greedy")
+    _, greedy = greedy_run
     out = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 12,
                     "--json")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -14,10 +14,10 @@ from flax import nnx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from checkpoints.rundir import open_run, single_device_model
+from checkpoints.rundir import open_run
 from data.tokenizer import EOS, train_bpe
 from hf.safetensors import Tensors
-from model.decoder import Decoder
+from model.decoder import Decoder, single_device_model
 from model.layers import AttentionBackend
 from parallel.layouts import permutation
 from parallel.mesh import make_mesh

@@ -184,6 +184,39 @@ def test_a_ring_across_nodes_is_bandwidth_bound_and_layouts_converge():
     assert c["attention_s"] / s["attention_s"] < 1.05
 
 
+@pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("striped", 1), ("striped", 2),
+                                           ("zigzag", 1)])
+@pytest.mark.parametrize("block_q,block_kv", [(16, 32), (32, 8), (8, 8)])
+def test_rectangular_tiles_count_every_pair_with_a_visible_key(layout, stripe, block_q, block_kv):
+    """The planner's tiles (``parallel.schedule.work`` with ``block_kv``, its only source) against
+    a token-level count: a (q tile, kv tile) pair is computed iff some key is <= some query."""
+    from parallel.schedule import work
+    n, seq_len = 4, 256
+    tiles = work(layout, seq_len, n, block_q, stripe, block_kv=block_kv).tiles
+    pos = permutation(layout, seq_len, n, stripe).reshape(n, -1)
+    want = np.zeros((n, n), int)
+    for r in range(n):
+        for d in range(n):
+            q = pos[d].reshape(-1, block_q)
+            k = pos[(d - r) % n].reshape(-1, block_kv)
+            want[r, d] = sum((kt[None, :] <= qt[:, None]).any() for qt in q for kt in k)
+    np.testing.assert_array_equal(tiles, want)
+    if block_q == block_kv:
+        np.testing.assert_array_equal(tiles, work(layout, seq_len, n, block_q, stripe).tiles)
+
+
+def test_planner_reads_rectangular_tiles_from_the_schedule():
+    """block_q != block_kv: the projection's critical path is the schedule's."""
+    from parallel.schedule import work
+    config = planned_config(importlib.import_module("configs.llama_1b").get_config(), 32768, 1,
+                            {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, "full")
+    config.attention.block_q, config.attention.block_kv = 256, 512
+    proj = step_time.project(config, dict(config.mesh), 1, HARDWARE["h100"], ["zigzag"], "full")
+    w = work("zigzag", 32768, 8, 256, block_kv=512)
+    assert proj["layouts"]["zigzag"]["critical_path_tiles"] == w.critical_path
+    assert proj["layouts"]["zigzag"]["tiles_per_round_max"] == int(w.tiles.max())
+
+
 def test_compiled_program_does_not_grow_with_depth():
     """Scan over layers: the step's HLO (hence its compile time) is the same for 2 or 12 layers."""
     from parallel.mesh import make_mesh
@@ -278,3 +311,16 @@ def test_the_hybrid_beats_a_64_device_ring_across_nodes():
     # all-gather holds every chunk's K/V and fp32 dK/dV: 64 x what one ring block is
     s = step_time.shape_of(config, mesh, 1)
     assert st["allgather zigzag"]["attention_buffers_bytes"] == 64 * sum(step_time._kv_bytes(s))
+
+
+def test_planner_and_mfu_read_one_peak_table():
+    """The planner's peaks are the trainer's MFU peaks (accelerators.py), for each device kind."""
+    from types import SimpleNamespace
+
+    from training.mfu import peak_flops_total
+    kinds = {"h100": "NVIDIA H100 80GB HBM3", "a100": "NVIDIA A100-SXM4-80GB",
+             "h200": "NVIDIA H200", "tpu-v4": "TPU v4", "v5e": "TPU v5 lite"}
+    assert set(kinds) == set(HARDWARE)
+    for name, kind in kinds.items():
+        devices = [SimpleNamespace(platform="gpu", device_kind=kind)] * 8
+        assert peak_flops_total(devices) == 8 * HARDWARE[name].peak_flops, name

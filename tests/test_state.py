@@ -32,13 +32,28 @@ def natural_batch(rng, B, L, vocab):
             "positions": pos, "segment_ids": seg, "loss_mask": mask}
 
 
-def run_step(c, devices, batch_np, seed):
-    mesh = make_mesh(c.mesh, devices)
-    trainer = Trainer(c, mesh)
-    perm = permutation(c.attention.layout, c.data.seq_len, mesh.shape["sequence"], c.attention.stripe)
+_COMPILED = {}
+
+
+def loss_and_grad(impl, layout, mesh, devices):
+    """(trainer, jitted loss and gradients) of ``config(impl, layout, mesh)``, made once per
+    session: the single-device reference serves every parametrization."""
+    key = (impl, layout, tuple(sorted(mesh.items())), len(devices))
+    if key not in _COMPILED:
+        c = config(impl, layout, mesh)
+        trainer = Trainer(c, make_mesh(c.mesh, devices))
+        _COMPILED[key] = trainer, jax.jit(jax.value_and_grad(trainer.loss, has_aux=True))
+    return _COMPILED[key]
+
+
+def run_step(impl, layout, mesh, devices, batch_np, seed):
+    trainer, step = loss_and_grad(impl, layout, mesh, devices)
+    c = trainer.config
+    perm = permutation(c.attention.layout, c.data.seq_len, trainer.mesh.shape["sequence"],
+                       c.attention.stripe)
     batch = {k: jax.device_put(v[:, perm], trainer.batch_shardings[k]) for k, v in batch_np.items()}
     state = trainer.init(seed)
-    (loss, _), grads = jax.jit(jax.value_and_grad(trainer.loss, has_aux=True))(state.params, batch)
+    (loss, _), grads = step(state.params, batch)
     return float(loss), jax.device_get(grads)
 
 
@@ -51,9 +66,8 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh):
     seed = int(rng.integers(0, 2**31))
     batch = natural_batch(rng, 4, 64, 101)
     one = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
-    ref_loss, ref_grads = run_step(config("dense", "contiguous", one),
-                                                  jax.devices()[:1], batch, seed)
-    loss, grads = run_step(config(impl, layout, mesh), jax.devices(), batch, seed)
+    ref_loss, ref_grads = run_step("dense", "contiguous", one, jax.devices()[:1], batch, seed)
+    loss, grads = run_step(impl, layout, mesh, jax.devices(), batch, seed)
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -1,10 +1,17 @@
 """End to end: train.py on the tiny config, as a user runs it, in a temp run directory."""
+import atexit
+import functools
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SESSION = pathlib.Path(tempfile.mkdtemp(prefix="e2e_tests_"))
+atexit.register(shutil.rmtree, SESSION, ignore_errors=True)
 
 
 def run_train(workdir, *overrides, devices=8):
@@ -17,10 +24,23 @@ def run_train(workdir, *overrides, devices=8):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_two_step_run_writes_metrics_config_and_checkpoint(tmp_path):
-    workdir = tmp_path / "run"
-    proc = run_train(workdir)
+@functools.cache
+def two_step_run() -> tuple[pathlib.Path, subprocess.CompletedProcess]:
+    """(workdir, process) of run_train's two steps with the defaults (kernel auto: xla on a
+    CPU), run once per session: this file checks what it writes, and test_kernels compares the
+    Pallas kernel's losses with its own."""
+    workdir = SESSION / "run"
+    return workdir, run_train(workdir)
+
+
+def losses(workdir) -> list[float]:
+    return [json.loads(l)["loss"] for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_step_run_writes_metrics_config_and_checkpoint():
+    workdir, proc = two_step_run()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kernel xla;" in proc.stdout + proc.stderr  # auto resolves to the XLA kernel on a CPU
     records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:

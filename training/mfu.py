@@ -1,17 +1,12 @@
-"""Peak FLOP/s per device, for MFU: a table of common accelerators, overridable in the config."""
+"""Peak FLOP/s of the mesh, for MFU: from the accelerators table (accelerators.py), overridable
+in the config."""
 from __future__ import annotations
 
 import os
 
 import jax
 
-# Dense bf16 peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
-PEAK_TFLOPS = {
-    "h200": 989.0, "h100": 989.0, "a100": 312.0, "l40s": 362.0, "a10": 125.0,
-    "tpu v4": 275.0, "tpu v5 lite": 197.0, "tpu v5e": 197.0, "tpu v5p": 459.0, "tpu v6": 918.0,
-}
-# A CPU core with two AVX2 FMA units: 2 x 8 fp32 lanes x 2 flops x ~2.5 GHz.
-CPU_CORE_TFLOPS = 0.08
+from accelerators import CPU_CORE_TFLOPS, peak_tflops
 
 
 def peak_flops_total(devices=None, override_tflops: float = 0.0) -> float:
@@ -24,9 +19,8 @@ def peak_flops_total(devices=None, override_tflops: float = 0.0) -> float:
         return per_process * jax.process_count()
     if override_tflops:
         return override_tflops * 1e12 * len(devices)
-    kind = devices[0].device_kind.lower()
-    for name, tflops in PEAK_TFLOPS.items():
-        if name in kind:
-            return tflops * 1e12 * len(devices)
+    tflops = peak_tflops(devices[0].device_kind)
+    if tflops is not None:
+        return tflops * 1e12 * len(devices)
     raise ValueError(f"unknown device kind {devices[0].device_kind!r} for MFU; set "
                      f"train.peak_tflops to its per-device bf16 peak")
