@@ -13,10 +13,10 @@ import re
 import sys
 
 from parallel.layouts import LAYOUTS  # numpy only
+from parallel.strategies import IMPLS  # no jax
 from planning.hardware import HARDWARE
 
 AXES = ("data", "fsdp", "sequence", "tensor")  # parallel.mesh.AXES; that module imports jax
-STRATEGIES = ("ring", "allgather", "ulysses", "usp")  # parallel.attention.IMPLS (imports jax)
 
 
 class UsageError(ValueError):
@@ -115,8 +115,8 @@ def run(argv=None) -> tuple[int, dict | None]:
         if bad or not layouts:
             raise UsageError(f"--layouts {args.layouts!r}: use a comma list of {', '.join(LAYOUTS)}")
         impls = [x.strip() for x in args.impls.split(",") if x.strip()]
-        if not impls or [x for x in impls if x not in STRATEGIES]:
-            raise UsageError(f"--impls {args.impls!r}: use a comma list of {', '.join(STRATEGIES)}")
+        if not impls or [x for x in impls if x not in IMPLS]:
+            raise UsageError(f"--impls {args.impls!r}: use a comma list of {', '.join(IMPLS)}")
         if args.seq_len < 1 or args.batch < 1:
             raise UsageError("--seq-len and --batch must be >= 1")
         if "jax" not in sys.modules:

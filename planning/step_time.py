@@ -34,6 +34,7 @@ import numpy as np
 
 from model.flops import flops_per_token, head_dim, matmul_params
 from parallel.schedule import strategy_rounds, work
+from parallel.strategies import IMPLS
 from planning import collectives as coll
 from planning.hardware import Hardware, link_bandwidth
 
@@ -279,7 +280,7 @@ def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, r
 
 
 def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, remat: str,
-                       impls=("ring", "allgather", "ulysses", "usp"), colls: list | None = None,
+                       impls=IMPLS, colls: list | None = None,
                        dtype_bytes: int = 2) -> dict:
     """Per (strategy, layout): projected step, MFU bound, attention and collective seconds,
     links and attention buffers; usp at every valid Ulysses degree 1 < U < N. ``fastest``

@@ -6,13 +6,13 @@ from data.mixture import check_fields as check_long_context_data
 from errors import ConfigError, DataError, LayoutError, MeshError
 from model import rope
 from model.decoder import DTYPES, REMAT
-from parallel import kernels
+from parallel import kernels, strategies
 from parallel.kernels import tiling
 from parallel.layouts import LAYOUTS, check as check_layout
 from parallel.mesh import mesh_shape
 
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
-IMPLS = ("ring", "allgather", "ulysses", "usp", "dense")
+IMPLS = strategies.IMPLS + ("dense",)
 WANDB_MODES = ("disabled", "offline", "online")
 ON_NONFINITE = ("stop", "rollback")
 
