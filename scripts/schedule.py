@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel.layouts import LAYOUTS  # noqa: E402
 from parallel.schedule import ideal_speedup, tile_limit_speedup, work  # noqa: E402
-
-IMPLS = ("ring", "allgather", "usp", "ulysses")
+from parallel.strategies import IMPLS  # noqa: E402  (no jax)
 
 
 def impl_rows(layouts, seq_len: int, devices: int, block: int, stripe: int = 1,

@@ -23,8 +23,8 @@ def test_impls_prints_the_readme_tile_counts(capsys):
     (3,088 against 3,600)."""
     _script().main(README_IMPLS)
     out = capsys.readouterr().out.splitlines()
-    assert "| layout | total tiles | ring | allgather | usp(U=2) | ulysses |" in out
-    assert "| contiguous | 8,256 | 3,600 | 3,600 | 3,088 | 2,064 |" in out
+    assert "| layout | total tiles | ring | allgather | ulysses | usp(U=2) |" in out
+    assert "| contiguous | 8,256 | 3,600 | 3,600 | 2,064 | 3,088 |" in out
     assert "| striped | 8,448 | 2,112 | 2,112 | 2,112 | 2,112 |" in out
 
 
