@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import pathlib
 import re
 import sys
@@ -34,10 +33,10 @@ import orbax.checkpoint as ocp
 
 from checkpoints import finite, storage
 from checkpoints.compat import check_param_shapes
+from checkpoints.storage import COMMIT_MARKER
 from errors import CheckpointError
 from parallel.distributed import is_peer_error
 
-COMMIT_MARKER = "commit_success.txt"
 TMP_MARKER = ".orbax-checkpoint-tmp"
 SKIPPED_DIR = "skipped"  # broken step directories are moved here, not deleted: they may be evidence
 MIN_KEEP = 2  # the newest finite checkpoint and the one before it survive any divergence
@@ -85,16 +84,7 @@ def _quiet_orphaned_reads():
 
     hook._drops_closed_loop = True
     sys.unraisablehook = hook
-    # The sibling reads of a failed one end as asyncio tasks whose error nobody awaits; asyncio
-    # logs each as "Task exception was never retrieved" with a traceback when it is collected.
-    logging.getLogger("asyncio").addFilter(_drop_orphaned_read_errors)
-
-
-def _drop_orphaned_read_errors(record) -> bool:
-    """False (drop) for asyncio's report of a never-awaited tensorstore read error."""
-    exc = record.exc_info[1] if record.exc_info else None
-    return not (record.getMessage().startswith("Task exception was never retrieved")
-                and isinstance(exc, ValueError) and "Error opening" in str(exc))
+    storage.quiet_orphaned_futures()  # the sibling reads of a failed one, never awaited
 
 
 def _first_line(e: BaseException, limit: int = 160) -> str:

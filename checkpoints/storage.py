@@ -17,6 +17,8 @@ import traceback
 
 from errors import StorageError
 
+COMMIT_MARKER = "commit_success.txt"  # orbax writes it into a step directory when it is whole
+
 # The OS errors a save meets on a sick disk, as they read inside orbax's and tensorstore's
 # messages (tensorstore wraps them in its own ValueError, so errno itself is gone).
 _CAUSES = tuple(os.strerror(e) for e in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
@@ -68,20 +70,32 @@ def _not_a_background_failure(record: logging.LogRecord) -> bool:
                 and record.pathname.replace(os.sep, "/").endswith(_BACKGROUND))
 
 
-def _not_an_orphaned_orbax_future(record: logging.LogRecord) -> bool:
-    """Newer orbax leaves the failed writes' futures unread, and asyncio logs each with its
-    traceback ("exception was never retrieved") when it is collected."""
+def not_an_orphaned_future(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of an orbax/tensorstore future nobody awaited.
+
+    When one read or write of a checkpoint fails, its siblings' futures are left unread (the
+    failure itself reaches us once, and becomes one line); asyncio logs each with a traceback
+    ("... exception was never retrieved") when it is collected: a read's is tensorstore's
+    "Error opening", a write's (newer orbax) ends in orbax's own frames."""
     if record.levelno < logging.ERROR or "exception was never retrieved" not in record.getMessage():
         return True
-    tb = record.exc_info[2] if record.exc_info else None
+    exc, tb = (record.exc_info[1], record.exc_info[2]) if record.exc_info else (None, None)
+    if isinstance(exc, ValueError) and "Error opening" in str(exc):
+        return False
     frames = traceback.extract_tb(tb) if tb is not None else []
     return not any("/orbax/" in f.filename.replace(os.sep, "/") for f in frames)
 
 
+def quiet_orphaned_futures() -> None:
+    """Drops asyncio's reports of the futures a failed read or write leaves unread."""
+    logger = logging.getLogger("asyncio")
+    if not_an_orphaned_future not in logger.filters:
+        logger.addFilter(not_an_orphaned_future)
+
+
 def quiet_background_failures() -> None:
     """Drops orbax's logged copies of a background save's failure (it is raised again)."""
-    for name, keep in (("absl", _not_a_background_failure),
-                       ("asyncio", _not_an_orphaned_orbax_future)):
-        logger = logging.getLogger(name)
-        if keep not in logger.filters:
-            logger.addFilter(keep)
+    absl_logger = logging.getLogger("absl")
+    if _not_a_background_failure not in absl_logger.filters:
+        absl_logger.addFilter(_not_a_background_failure)
+    quiet_orphaned_futures()

@@ -217,14 +217,14 @@ def test_orphaned_read_errors_of_a_skipped_checkpoint_are_dropped_and_nothing_el
     """When one read of a damaged checkpoint fails, asyncio later reports its never-awaited
     siblings as tracebacks; only exactly those reports are dropped (the skip is one line)."""
     import logging
-    from checkpoints import manager
+    from checkpoints import manager, storage
     manager._quiet_orphaned_reads()
-    assert manager._drop_orphaned_read_errors in logging.getLogger("asyncio").filters
+    assert storage.not_an_orphaned_future in logging.getLogger("asyncio").filters
 
     def record(msg, exc):
         return logging.LogRecord("asyncio", logging.ERROR, "", 0, msg, None, (type(exc), exc, None))
 
     orphan = ValueError('OUT_OF_RANGE: Error opening "zarr" driver: Error reading byte range')
-    assert not manager._drop_orphaned_read_errors(record("Task exception was never retrieved\nfuture: <Task>", orphan))
-    assert manager._drop_orphaned_read_errors(record("Task exception was never retrieved", ValueError("a bug")))
-    assert manager._drop_orphaned_read_errors(record("Unclosed client session", orphan))
+    assert not storage.not_an_orphaned_future(record("Task exception was never retrieved\nfuture: <Task>", orphan))
+    assert storage.not_an_orphaned_future(record("Task exception was never retrieved", ValueError("a bug")))
+    assert storage.not_an_orphaned_future(record("Unclosed client session", orphan))

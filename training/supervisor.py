@@ -24,9 +24,10 @@ import threading
 import time
 import traceback
 
+from checkpoints.storage import COMMIT_MARKER  # orbax-free
+
 LOG_ENV = "STRIPEDJAX_NATIVE_LOG"  # set for the child: where its native stderr goes
 PEER_LOST = 3  # the exit code of a run ended by a lost peer
-COMMIT_MARKER = "commit_success.txt"  # checkpoints.manager's; that module imports orbax
 
 
 def supervise(argv: list[str], workdir: pathlib.Path, process_id: int | None,
