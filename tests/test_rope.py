@@ -57,7 +57,9 @@ def test_frequencies_and_scale_match_transformers(rng, scaling):
     for head_dim in (16, 64, 128):
         hf_scaling, ours, max_pos = random_case(rng, scaling, head_dim)
         emb = hf_rotary(hf_scaling, ours.theta, head_dim, max_pos)
-        np.testing.assert_allclose(ours.inv_freq(head_dim), emb.inv_freq.numpy(), rtol=1e-6)
+        # Both sides are float32 and round differently (llama3's smooth blend of freq and
+        # freq / factor): 1.2e-6 apart was seen for a random case, so a few float32 ulps more.
+        np.testing.assert_allclose(ours.inv_freq(head_dim), emb.inv_freq.numpy(), rtol=1e-5)
         assert math.isclose(ours.cos_scale(), emb.attention_scaling, rel_tol=1e-12)
 
 
