@@ -317,7 +317,8 @@ LLAMA3_ORIGINAL = 64  # the small models' original context: past it the llama3 s
 
 def llama3_model(rng, directory: pathlib.Path, *, tied: bool):
     """A random LlamaForCausalLM shaped like Llama 3.x, small: 16 query heads on 8 KV heads,
-    RoPE base 500,000 with llama3 scaling (Llama-3.2's factor 32 when tied, 3.1's 8 when not),
+    RoPE base 500,000 with llama3 scaling (Llama-3.2's factor 32 when tied, 3.1-Instruct's 8
+    and its three end-of-reply tokens when not),
     the Llama 3 style tokenizer, and config.json in the released checkpoints' spelling
     (rope_theta + rope_scaling). Head width 16 puts RoPE frequencies in all three bands of
     the scaling: kept, smoothed and divided by the factor."""
@@ -326,14 +327,16 @@ def llama3_model(rng, directory: pathlib.Path, *, tied: bool):
     tok = llama3_tokenizer.build([" ".join(rng.choice(words, 60)) for _ in range(80)], 400)
     (directory / "tokenizer.json").write_text(tok.to_str())
     (directory / "tokenizer_config.json").write_text(json.dumps(llama3_tokenizer.TOKENIZER_CONFIG))
+    eos = tok.token_to_id(llama3_tokenizer.EOS)
+    if not tied:  # as Llama-3.1-8B-Instruct: a reply also ends at <|eom_id|> or <|eot_id|>
+        eos = [eos, tok.token_to_id("<|eom_id|>"), tok.token_to_id("<|eot_id|>")]
     scaling = {"rope_type": "llama3", "factor": 32.0 if tied else 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": LLAMA3_ORIGINAL}
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=384,
                       num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
                       max_position_embeddings=4 * LLAMA3_ORIGINAL, rms_norm_eps=1e-5,
                       rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=tied,
-                      bos_token_id=tok.token_to_id(llama3_tokenizer.BOS),
-                      eos_token_id=tok.token_to_id(llama3_tokenizer.EOS))
+                      bos_token_id=tok.token_to_id(llama3_tokenizer.BOS), eos_token_id=eos)
     torch.manual_seed(int(rng.integers(2**31)))
     model = LlamaForCausalLM(cfg).float()
     with torch.no_grad():
