@@ -156,6 +156,9 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
     out.pop("sliding_window", None)
     if bos is not None:
         out["bos_token_id"] = bos
-    if eos is not None:
+    imported_eos = out.get("eos_token_id")
+    # Instruct models list every token that ends a reply (Llama 3: end of text, of message and
+    # of turn); an imported list that holds the tokenizer's end-of-text token stays as it was.
+    if eos is not None and not (isinstance(imported_eos, list) and eos in imported_eos):
         out["eos_token_id"] = eos
     return out

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from errors import DataError
-from data import tokenizer as tk
+from data import tokenizer as tk, tokens
+import llama3_tokenizer
 
 
 def real_docs():
@@ -118,3 +119,45 @@ def test_eos_of_other_tokenizer_families():
     tok.add_special_tokens(["<s>", "</s>"])
     assert tk.eos_id(tok) == tok.token_to_id("</s>")
     assert json.loads(tok.to_str())["added_tokens"][1]["content"] == "</s>"
+
+
+def random_text(rng, docs):
+    """Words of real code, numbers of up to 9 digits, non-Latin text and newlines, shuffled."""
+    words = " ".join(docs).split()
+    pieces = [*rng.choice(words, 40), *(str(rng.integers(10 ** rng.integers(1, 10))) for _ in range(8)),
+              "日本語の文", "ünïcode", "🙂", "\n\n", "\t", "don't", "WE'LL"]
+    return " ".join(pieces[i] for i in rng.permutation(len(pieces)))
+
+
+@pytest.fixture(scope="module")
+def llama3_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3") / "tokenizer.json"
+    numbers = " ".join(["x=1234567"] * 3000)  # so that BPE would merge across digit groups if allowed
+    llama3_tokenizer.build([*real_docs(), numbers], 600).save(str(path))
+    return str(path)
+
+
+def test_a_llama3_tokenizer_json_loads_round_trips_and_packs_without_bos(llama3_json, rng, tmp_path):
+    """Meta's Llama 3 tokenizer.json, built small here: the tiktoken-style split, byte-level BPE,
+    specials after the vocabulary and a post-processor that prepends <|begin_of_text|>."""
+    size = 600 + len(llama3_tokenizer.SPECIALS)
+    with pytest.raises(DataError, match=rf"has {size} tokens but model.vocab_size is {size - 1}; "):
+        tk.load(llama3_json, size - 1)
+    tok = tk.load(llama3_json, size)
+    assert tok.get_vocab_size() == size and tk.eos_id(tok) == 601  # <|end_of_text|>, after BOS
+    bos = tok.token_to_id(llama3_tokenizer.BOS)
+    assert bos == 600
+    text = random_text(rng, real_docs())
+    ids = tok.encode(text).ids
+    assert ids[0] == bos and ids[1:] == tok.encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids) == text and bos not in ids[1:]
+    # The Llama 3 split: digits in groups of three from the left, never merged across a group.
+    assert tok.encode("x=1234567", add_special_tokens=False).tokens == ["x", "=", "123", "456", "7"]
+    chat = "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+    chat_ids = tok.encode(chat, add_special_tokens=False).ids
+    assert [chat_ids[0], chat_ids[-1]] == [tok.token_to_id("<|start_header_id|>"), tok.token_to_id("<|eot_id|>")]
+    # The data pipeline encodes documents without the BOS (packing puts EOS between them).
+    docs = [random_text(rng, real_docs()) for _ in range(3)]
+    corpus = tokens.tokenize(docs, tok, str(tmp_path / "corpus"), "three docs")
+    for i, doc in enumerate(docs):
+        assert corpus.doc(i).tolist() == tok.encode(doc, add_special_tokens=False).ids

@@ -23,6 +23,8 @@ from parallel.layouts import permutation
 from parallel.mesh import make_mesh
 from scripts import convert_hf
 
+import llama3_tokenizer
+
 ORIGINAL = 16  # the HF models' pretraining context: every test runs past it
 SCALINGS = {
     "none": None,
@@ -308,3 +310,70 @@ def test_released_checkpoints_rope_spelling_reads_the_same(rng, tmp_path, scalin
     tokens = rng.integers(0, old.config.model.vocab_size, (1, 3 * ORIGINAL))
     assert relative(our_logits(old, tokens), hf_logits(model, tokens)) < 1e-4
     assert relative(our_logits(old, tokens), hf_logits(legacy, tokens)) < 1e-4
+
+
+LLAMA3_ORIGINAL = 64  # the small models' original context: past it the llama3 scaling matters
+
+
+def llama3_model(rng, directory: pathlib.Path, *, tied: bool):
+    """A random LlamaForCausalLM shaped like Llama 3.x, small: 16 query heads on 8 KV heads,
+    RoPE base 500,000 with llama3 scaling (Llama-3.2's factor 32 when tied, 3.1-Instruct's 8
+    and its three end-of-reply tokens when not),
+    the Llama 3 style tokenizer, and config.json in the released checkpoints' spelling
+    (rope_theta + rope_scaling). Head width 16 puts RoPE frequencies in all three bands of
+    the scaling: kept, smoothed and divided by the factor."""
+    directory.mkdir(parents=True)
+    words = ["".join(rng.choice(list("abcdefghijklmnop"), rng.integers(2, 8))) for _ in range(300)]
+    tok = llama3_tokenizer.build([" ".join(rng.choice(words, 60)) for _ in range(80)], 400)
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    (directory / "tokenizer_config.json").write_text(json.dumps(llama3_tokenizer.TOKENIZER_CONFIG))
+    eos = tok.token_to_id(llama3_tokenizer.EOS)
+    if not tied:  # as Llama-3.1-8B-Instruct: a reply also ends at <|eom_id|> or <|eot_id|>
+        eos = [eos, tok.token_to_id("<|eom_id|>"), tok.token_to_id("<|eot_id|>")]
+    scaling = {"rope_type": "llama3", "factor": 32.0 if tied else 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": LLAMA3_ORIGINAL}
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=384,
+                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
+                      max_position_embeddings=4 * LLAMA3_ORIGINAL, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=tied,
+                      bos_token_id=tok.token_to_id(llama3_tokenizer.BOS), eos_token_id=eos)
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    released = json.loads((directory / "config.json").read_text())
+    params = released.pop("rope_parameters", None) or released.pop("rope_scaling")
+    released["rope_theta"] = params.pop("rope_theta", 500000.0)
+    (directory / "config.json").write_text(json.dumps({**released, "rope_scaling": params}))
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_3.2", "untied_3.1"])
+def test_llama3_shaped_import_gives_transformers_logits_and_tokens_and_exports_back(
+        rng, tmp_path, tied):
+    model = llama3_model(rng, tmp_path / "hf", tied=tied)
+    run = import_run(tmp_path / "hf", tmp_path / "run")
+    m, s = run.config.model, run.config.model.rope_scaling
+    assert (m.num_heads, m.num_kv_heads, m.tie_embeddings, m.rope_theta) == (16, 8, tied, 500000.0)
+    assert (s.type, s.factor, s.original_max_len, s.low_freq_factor, s.high_freq_factor) == \
+        ("llama3", 32.0 if tied else 8.0, LLAMA3_ORIGINAL, 1.0, 4.0)
+    tokens = rng.integers(0, m.vocab_size, (2, 3 * LLAMA3_ORIGINAL))
+    assert relative(our_logits(run, tokens), hf_logits(model, tokens)) < 1e-4
+    # The import's tokenizer is the HF one: <|begin_of_text|> first, the same ids.
+    text = " ".join(rng.choice(["abc", "defg", "hij", "klmnop", "ba", "1234", "日本"], 20))
+    ours = run.tokenizer.encode(text).ids
+    assert ours[0] == model.config.bos_token_id
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text).input_ids == ours
+
+    assert convert_hf.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    a, b = Tensors(tmp_path / "hf"), Tensors(tmp_path / "out")
+    assert a.names() == b.names() and ("lm_head.weight" in a.names()) != tied
+    for name in a.names():
+        np.testing.assert_array_equal(a[name], b[name])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for key in ("rope_parameters", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+                "num_key_value_heads"):
+        assert getattr(exported.config, key) == getattr(model.config, key), key
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids == ours

@@ -30,6 +30,23 @@ def test_param_count_matches_closed_form(name, dims, expected):
     assert counted == closed_form(*dims) == param_count(m) == expected
 
 
+@pytest.mark.parametrize("name,dims,tied,expected", [
+    # The counts Meta's checkpoints have (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B).
+    ("llama3_1b", (16, 2048, 8192, 32, 8, 128256), True, 1_235_814_400),
+    ("llama3_3b", (28, 3072, 8192, 24, 8, 128256), True, 3_212_749_824),
+    ("llama3_8b", (32, 4096, 14336, 32, 8, 128256), False, 8_030_261_248),
+])
+def test_llama3_param_counts_are_the_released_models(name, dims, tied, expected):
+    m = importlib.import_module(f"configs.{name}").get_config().model
+    assert (m.num_layers, m.d_model, m.ffn_dim, m.num_heads, m.num_kv_heads, m.vocab_size) == dims
+    assert m.tie_embeddings == tied and m.head_dim == 0
+    assert (m.rope_theta, m.rope_scaling.type, m.rope_scaling.original_max_len) == (500000.0, "llama3", 8192)
+    abstract = nnx.eval_shape(lambda: Decoder(m, AttentionBackend(), nnx.Rngs(0)))
+    counted = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    head = 0 if tied else dims[-1] * dims[1]  # closed_form counts an own head; tied has none
+    assert counted == closed_form(*dims) - dims[-1] * dims[1] + head == param_count(m) == expected
+
+
 def test_gqa_shrinks_only_kv_projections():
     config = importlib.import_module("configs.llama_1b").get_config()
     m = config.model

@@ -324,3 +324,26 @@ def test_planner_and_mfu_read_one_peak_table():
     for name, kind in kinds.items():
         devices = [SimpleNamespace(platform="gpu", device_kind=kind)] * 8
         assert peak_flops_total(devices) == 8 * HARDWARE[name].peak_flops, name
+
+
+def test_gqa_keeps_llama3_8b_ring_across_nodes_compute_bound():
+    """Llama-3.1-8B at 1M tokens on 64 H100s: with 8 KV heads a ring round sends a quarter of
+    llama_7b's K/V (32 KV heads of the same width), which 50 GB/s carries within the round's
+    compute, so the plain ring is fastest; usp only splits the 8 KV heads (U = 2, 4, 8)."""
+    mesh = {"data": 1, "fsdp": 1, "sequence": 64, "tensor": 1}
+    config = planned_config(importlib.import_module("configs.llama3_8b").get_config(), 1048576, 1,
+                            mesh, "full")
+    old = planned_config(importlib.import_module("configs.llama_7b").get_config(), 1048576, 1,
+                         mesh, "full")
+    block, grads = step_time._kv_bytes(step_time.shape_of(config, mesh, 1))
+    old_block, old_grads = step_time._kv_bytes(step_time.shape_of(old, mesh, 1))
+    assert grads * 4 == old_grads  # fp32 dK/dV
+    assert old_block - block == 2 * 16384 * (32 - 8) * 128 * 2  # bf16 K and V of 24 more heads
+    assert block < old_block / 3.99  # positions and segment ids travel with either
+    proj = step_time.project_strategies(config, mesh, 1, HARDWARE["h100"], ["zigzag"], "full")
+    st = proj["strategies"]
+    assert proj["invalid"] == ["ulysses (U=64)"]
+    assert set(st) == {"ring zigzag", "allgather zigzag"} | {f"usp(U={u}) zigzag" for u in (2, 4, 8)}
+    ring = st["ring zigzag"]
+    assert proj["fastest"] == "ring zigzag" and ring["links"] == "ring 50 GB/s"
+    assert ring["collective_s"] < 0.01 * ring["attention_s"] and 0.64 < ring["mfu_bound"] < 0.69
