@@ -110,8 +110,8 @@ def _refuse_qwen2_window(cfg: dict):
     if cfg.get("sliding_window") and first < layers:
         raise ConversionError(
             f"config.json: use_sliding_window=true (layers {first}..{layers - 1} attend within "
-            f"sliding_window={cfg['sliding_window']}); sliding windows do not convert yet: set "
-            f"use_sliding_window false to attend to the whole causal context")
+            f"sliding_window={cfg['sliding_window']}); sliding windows do not convert yet (every "
+            f"layer here attends to the whole causal context)")
 
 
 def _rope_parameters(cfg: dict) -> dict:

@@ -394,8 +394,8 @@ def test_qwen2_sliding_window_fields_read_as_transformers_reads_them(qwen2):
             hf_config.model_fields(case)
         assert str(e.value) == (
             "config.json: use_sliding_window=true (layers 1..1 attend within sliding_window=32); "
-            "sliding windows do not convert yet: set use_sliding_window false to attend to the "
-            "whole causal context")
+            "sliding windows do not convert yet (every layer here attends to the whole causal "
+            "context)")
         with pytest.raises(ConversionError, match=r"^config.json: layer_types has "
                                                   r"'sliding_attention' layers; every layer"):
             hf_config.model_fields({**released, "layer_types": layer_types})
