@@ -14,7 +14,7 @@ from errors import CheckpointError  # also importable as checkpoints.compat.Chec
 # The model fields that decide parameter shapes; anything else (rope_theta, remat, dtype, ...)
 # may change between runs sharing weights.
 SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "ffn_dim", "tie_embeddings")
+                "ffn_dim", "tie_embeddings", "qkv_bias")
 
 
 def _resolved(model: dict) -> dict:

@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     s.beta_slow = 1.0  # yarn: rotations below which a frequency interpolates
     s.attention_factor = 0.0  # yarn: cos/sin scale; 0 means 0.1 * ln(factor) + 1
     s.truncate = True  # yarn: round the ramp's ends to whole dimensions
+    m.qkv_bias = False  # biases on the q, k and v projections, none on o (Qwen2 / Qwen2.5)
     m.tie_embeddings = False  # the output head is the embedding table (as in TinyLlama-like HF models)
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))

@@ -3,7 +3,7 @@
 Run:  python train.py --config configs/from_run.py:RUN_DIR --workdir runs/next [--config.a.b=v ...]
 (RUN_DIR: an import's --out, see scripts/convert_hf.py, or a train.py --workdir.)
 Shows: "starting from the weights of step N", then training from those weights with the run's
-model (shapes, RoPE, tied head), tokenizer and settings; a fresh optimizer and data order.
+model (shapes, RoPE, tied head, biases), tokenizer and settings; a fresh optimizer and data order.
 Every field can still be overridden (a new seq_len, mesh, rope_theta, learning rate).
 """
 import json
@@ -16,7 +16,7 @@ from errors import ConfigFileError
 # The model fields that describe the weights themselves (shapes, norms, RoPE, head): another
 # config starting from a run takes these from it and keeps its own for the rest (remat, ...).
 WEIGHT_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "ffn_dim", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings")
+                 "ffn_dim", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "qkv_bias")
 
 
 def from_run(run_dir: str, who: str = "configs/from_run.py"):

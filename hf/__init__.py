@@ -1,1 +1,2 @@
-"""Hugging Face interop: LlamaForCausalLM checkpoints in and out (scripts/convert_hf.py)."""
+"""Hugging Face interop: LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM checkpoints in
+and out (scripts/convert_hf.py)."""

@@ -1,10 +1,13 @@
-"""A Hugging Face ``config.json`` (LlamaForCausalLM) to and from this project's model config.
+"""A Hugging Face ``config.json`` (LLaMA, Mistral, Qwen2) to and from this project's model config.
 
 RoPE arrives in either of two spellings: ``rope_theta`` + ``rope_scaling`` (released
 checkpoints, transformers 4) or ``rope_parameters`` (what transformers 5 writes); both become
 ``model.rope_theta`` + ``model.rope_scaling.*``. Export writes the first spelling, which every
-transformers version reads. Anything the model does not have (biases, another activation,
-sliding windows, another RoPE type) stops the conversion with one line.
+transformers version reads. Qwen2 is LLaMA with biases on q, k and v (``model.qkv_bias``); a
+model with them exports as Qwen2, one without as LLaMA. Anything the model does not have
+(another architecture, biases elsewhere, another activation, sliding windows, another RoPE
+type) stops the conversion with one line naming it; ``REFUSED`` names what the known
+architectures that do not convert have that this model lacks.
 """
 from __future__ import annotations
 
@@ -12,32 +15,109 @@ import math
 
 from errors import ConversionError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
+# model_type -> the architecture of it that converts.
+CONVERTS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = tuple(CONVERTS.values())
+MODEL_TYPES = tuple(CONVERTS)
+QKV_BIAS = ("qwen2",)  # model types with biases on q, k and v (and none on o)
+
+# Known decoders that do not convert, model_type -> (name, what it has that this model has not).
+REFUSED = {
+    "gemma": ("Gemma", "GeGLU MLP (gelu_pytorch_tanh), embeddings scaled by sqrt(hidden_size), "
+                       "RMSNorm scaling by 1 + weight"),
+    "gemma2": ("Gemma 2", "attention logit soft-capping (attn_logit_softcapping), final logit "
+                          "soft-capping, alternating local sliding-window / global layers, "
+                          "post-attention and post-MLP norms, GeGLU MLP"),
+    "gemma3_text": ("Gemma 3", "alternating local sliding-window / global layers with two RoPE "
+                               "bases, q/k RMSNorm, post-attention and post-MLP norms, GeGLU MLP"),
+    "gemma3": ("Gemma 3", "a vision tower, alternating local sliding-window / global layers with "
+                          "two RoPE bases, q/k RMSNorm, GeGLU MLP"),
+    "mixtral": ("Mixtral", "a mixture-of-experts MLP (num_local_experts), sliding windows"),
+    "qwen2_moe": ("Qwen2-MoE", "a mixture-of-experts MLP (num_experts) with a gated shared expert"),
+    "qwen3": ("Qwen3", "RMSNorm on q and k per head (q_norm, k_norm)"),
+    "qwen3_moe": ("Qwen3-MoE", "a mixture-of-experts MLP (num_experts), RMSNorm on q and k"),
+    "deepseek_v2": ("DeepSeek-V2", "multi-head latent attention (low-rank q/kv), a "
+                                   "mixture-of-experts MLP"),
+    "deepseek_v3": ("DeepSeek-V3", "multi-head latent attention (low-rank q/kv), a "
+                                   "mixture-of-experts MLP"),
+    "phi3": ("Phi-3", "fused qkv_proj and gate_up_proj weights"),
+    "phi": ("Phi", "LayerNorm, parallel attention and MLP, partial rotary embedding, GELU MLP, "
+                   "biases"),
+    "falcon": ("Falcon", "fused query_key_value weights, parallel attention and MLP, LayerNorm, "
+                         "GELU MLP"),
+    "gpt_neox": ("GPT-NeoX", "fused query_key_value weights, parallel attention and MLP, "
+                             "LayerNorm with biases, partial rotary embedding, GELU MLP"),
+    "gpt2": ("GPT-2", "learned absolute position embeddings, LayerNorm, fused c_attn weights, "
+                      "GELU MLP, biases"),
+    "olmo2": ("OLMo 2", "RMSNorm on q and k, norms after attention and MLP instead of before"),
+    "cohere": ("Command R", "LayerNorm, parallel attention and MLP, logit scale"),
+    "starcoder2": ("StarCoder2", "LayerNorm, GELU MLP, biases, sliding window"),
+}
+# Keys that mean a mixture-of-experts MLP, whatever the model_type.
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
 def _refuse(cfg: dict):
+    kind = cfg.get("model_type")
     arch = (cfg.get("architectures") or ["?"])[0]
-    if cfg.get("model_type") not in MODEL_TYPES or arch not in ARCHITECTURES:
+    supported = f"what converts: {', '.join(ARCHITECTURES)}"
+    if kind in REFUSED:
+        name, features = REFUSED[kind]
+        raise ConversionError(f"config.json: {name} (model_type={kind!r}) does not convert: "
+                              f"{features}; {supported}")
+    for key in MOE_KEYS:
+        if cfg.get(key):
+            raise ConversionError(f"config.json: {key}={cfg[key]}: a mixture-of-experts MLP "
+                                  f"does not convert ({arch}); {supported}")
+    for key in SOFTCAP_KEYS:
+        if cfg.get(key):
+            raise ConversionError(f"config.json: {key}={cfg[key]}: logit soft-capping does not "
+                                  f"convert ({arch}); {supported}")
+    if kind not in MODEL_TYPES or arch not in ARCHITECTURES:
         raise ConversionError(
-            f"config.json: model_type={cfg.get('model_type')!r}, architecture {arch!r}; only "
+            f"config.json: model_type={kind!r}, architecture {arch!r}; only "
             f"LLaMA-architecture decoders convert ({', '.join(ARCHITECTURES)})")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ConversionError(f"config.json: {flag}=true; this model has no biases")
+    if cfg.get("attention_bias"):
+        raise ConversionError("config.json: attention_bias=true (biases on q, k, v and o); only "
+                              "Qwen2's q/k/v biases convert (model_type 'qwen2')")
+    if cfg.get("mlp_bias"):
+        raise ConversionError("config.json: mlp_bias=true; this model's MLP has no biases")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json: hidden_act={act!r}; this model's MLP is SwiGLU (silu)")
-    window = cfg.get("sliding_window")
-    if window and window < cfg.get("max_position_embeddings", 0):
-        raise ConversionError(f"config.json: sliding_window={window}; this model attends to the "
-                              f"whole causal context (no sliding window)")
+    if kind == "qwen2":
+        _refuse_qwen2_window(cfg)
+    else:
+        window = cfg.get("sliding_window")
+        if window and window < cfg.get("max_position_embeddings", 0):
+            raise ConversionError(f"config.json: sliding_window={window}; this model attends to "
+                                  f"the whole causal context (no sliding window)")
+    other = sorted({t for t in cfg.get("layer_types") or () if t != "full_attention"})
+    if other:
+        raise ConversionError(f"config.json: layer_types has {', '.join(map(repr, other))} "
+                              f"layers; every layer here attends to the whole causal context "
+                              f"('full_attention')")
+
+
+def _refuse_qwen2_window(cfg: dict):
+    """Qwen2 configs carry sliding_window and max_window_layers even where no layer uses them
+    (use_sliding_window false); transformers slides layers max_window_layers.. only when true."""
+    if not cfg.get("use_sliding_window"):
+        return
+    first, layers = int(cfg.get("max_window_layers") or 0), int(cfg.get("num_hidden_layers") or 0)
+    if cfg.get("sliding_window") and first < layers:
+        raise ConversionError(
+            f"config.json: use_sliding_window=true (layers {first}..{layers - 1} attend within "
+            f"sliding_window={cfg['sliding_window']}); sliding windows do not convert yet (every "
+            f"layer here attends to the whole causal context)")
 
 
 def _rope_parameters(cfg: dict) -> dict:
     """One flat dict with rope_type and rope_theta, from either spelling."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if "layer_types" in cfg or any(isinstance(v, dict) for v in params.values()):
+    if any(isinstance(v, dict) for v in params.values()):
         raise ConversionError("config.json: per-layer RoPE parameters are not supported")
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -94,7 +174,7 @@ def _yarn_attention_factor(p: dict, factor: float) -> float | None:
 
 
 def model_fields(cfg: dict) -> dict:
-    """The ``config.model`` fields an HF LLaMA config sets."""
+    """The ``config.model`` fields an HF LLaMA / Mistral / Qwen2 config sets."""
     _refuse(cfg)
     try:
         d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -103,7 +183,8 @@ def model_fields(cfg: dict) -> dict:
                   "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
                   "ffn_dim": int(cfg["intermediate_size"]),
                   "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-                  "tie_embeddings": bool(cfg.get("tie_word_embeddings", False))}
+                  "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+                  "qkv_bias": cfg["model_type"] in QKV_BIAS}
     except KeyError as e:
         raise ConversionError(f"config.json lacks {e.args[0]!r}, which a LLaMA config has") from None
     head_dim = int(cfg.get("head_dim") or d // heads)
@@ -143,17 +224,26 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
                                     ("attention_factor", float(s.attention_factor), 0.0)):
             if value != default:
                 scaling[key] = value
+    kind = "qwen2" if m.get("qkv_bias", False) else "llama"
     out.update({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [CONVERTS[kind]], "model_type": kind,
         "vocab_size": int(m.vocab_size), "hidden_size": int(m.d_model),
         "intermediate_size": int(m.ffn_dim), "num_hidden_layers": int(m.num_layers),
         "num_attention_heads": int(m.num_heads), "num_key_value_heads": int(m.num_kv_heads),
         "head_dim": int(hd), "hidden_act": "silu", "rms_norm_eps": float(m.norm_eps),
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "tie_word_embeddings": bool(m.get("tie_embeddings", False)),
+        "attention_dropout": 0.0, "tie_word_embeddings": bool(m.get("tie_embeddings", False)),
         "max_position_embeddings": max_pos, "rope_theta": float(m.rope_theta),
         "rope_scaling": scaling, "torch_dtype": dtype, "use_cache": True})
-    out.pop("sliding_window", None)
+    out.pop("layer_types", None)  # every layer is full attention: transformers derives them
+    if kind == "qwen2":
+        # Qwen2's own switch; sliding_window and max_window_layers stay as imported (unused).
+        out["use_sliding_window"] = False
+        for llama_only in ("attention_bias", "mlp_bias"):
+            out.pop(llama_only, None)
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+        for qwen2_only in ("sliding_window", "use_sliding_window", "max_window_layers"):
+            out.pop(qwen2_only, None)
     if bos is not None:
         out["bos_token_id"] = bos
     imported_eos = out.get("eos_token_id")

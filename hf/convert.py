@@ -93,7 +93,8 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
     log(f"imported {hf.name}: {n / 1e6:.1f}M parameters ({leaves[0].dtype}), {m.num_layers} "
         f"layers, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}, rope_theta "
         f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
-        + (", tied embeddings" if m.tie_embeddings else "") + f" -> {out}")
+        + (", tied embeddings" if m.tie_embeddings else "")
+        + (", q/k/v biases" if m.get("qkv_bias", False) else "") + f" -> {out}")
     return out
 
 
@@ -131,7 +132,8 @@ def _hf_side_dir(run_dir: pathlib.Path) -> pathlib.Path | None:
 def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "auto",
               step: int | None = None, max_shard_gb: float = 5.0,
               log: Callable[[str], None] = print) -> pathlib.Path:
-    """Writes an HF LlamaForCausalLM directory at ``out`` from a run's checkpoint."""
+    """Writes an HF LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) directory at ``out``
+    from a run's checkpoint."""
     import jax
     import ml_dtypes
 

@@ -1,9 +1,11 @@
-"""Hugging Face LLaMA tensor names and shapes to this model's parameter tree, and back.
+"""Hugging Face LLaMA / Qwen2 tensor names and shapes to this model's parameter tree, and back.
 
 HF stores each projection as ``[out, in]`` per layer; here the layers are stacked on a leading
 axis (lax.scan) and projections are ``[in, ...out]`` with heads split out:
 ``q_proj [H*hd, D] -> wq [L, D, H, hd]``, ``o_proj [D, H*hd] -> wo [L, H, hd, D]``. Both
 spellings rotate the two halves of each head (``rotate_half``), so no row permutation is needed.
+Qwen2's q/k/v biases (``model.qkv_bias``) split their heads out the same way:
+``q_proj.bias [H*hd] -> bq [L, H, hd]``.
 """
 from __future__ import annotations
 
@@ -24,12 +26,23 @@ BLOCK = (
     (("attn_norm", "scale"), "input_layernorm.weight", "vector"),
     (("mlp_norm", "scale"), "post_attention_layernorm.weight", "vector"),
 )
+# The same for model.qkv_bias (Qwen2): biases on q, k and v, none on o.
+BIASES = (
+    (("attn", "bq"), "self_attn.q_proj.bias", "bias_heads"),
+    (("attn", "bk"), "self_attn.k_proj.bias", "bias_kv_heads"),
+    (("attn", "bv"), "self_attn.v_proj.bias", "bias_kv_heads"),
+)
 # Buffers some checkpoints carry that hold no parameter (RoPE tables are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _head_dim(m) -> int:
     return m.head_dim or m.d_model // m.num_heads
+
+
+def _block(m):
+    """(our path, HF name, kind) of every per-layer tensor of model config ``m``."""
+    return BLOCK + (BIASES if m.get("qkv_bias", False) else ())
 
 
 def _to_ours(w, kind: str, m):
@@ -40,6 +53,10 @@ def _to_ours(w, kind: str, m):
         return w.T.reshape(m.d_model, m.num_kv_heads, hd)
     if kind == "out_heads":
         return w.T.reshape(m.num_heads, hd, m.d_model)
+    if kind == "bias_heads":
+        return w.reshape(m.num_heads, hd)
+    if kind == "bias_kv_heads":
+        return w.reshape(m.num_kv_heads, hd)
     return w.T if kind == "t" else w
 
 
@@ -48,6 +65,8 @@ def _to_hf(w, kind: str):
         return w.reshape(w.shape[0], -1).T
     if kind == "out_heads":
         return w.reshape(-1, w.shape[-1]).T
+    if kind in ("bias_heads", "bias_kv_heads"):
+        return w.reshape(-1)
     return w.T if kind == "t" else w
 
 
@@ -61,6 +80,10 @@ def _expected(m) -> dict[str, tuple[int, ...]]:
                  "mlp.gate_proj.weight": (m.ffn_dim, d), "mlp.up_proj.weight": (m.ffn_dim, d),
                  "mlp.down_proj.weight": (d, m.ffn_dim),
                  "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    if m.get("qkv_bias", False):
+        per_layer.update({"self_attn.q_proj.bias": (m.num_heads * hd,),
+                          "self_attn.k_proj.bias": (m.num_kv_heads * hd,),
+                          "self_attn.v_proj.bias": (m.num_kv_heads * hd,)})
     out = {"model.embed_tokens.weight": (m.vocab_size, d), "model.norm.weight": (d,)}
     if not m.get("tie_embeddings", False):
         out["lm_head.weight"] = (m.vocab_size, d)
@@ -92,7 +115,7 @@ def params_from_hf(tensors, m, dtype=None) -> dict:
     check_names(tensors, m)
     cast = (lambda a: a) if dtype is None else (lambda a: a.astype(dtype))
     blocks: dict = {}
-    for path, hf_name, kind in BLOCK:
+    for path, hf_name, kind in _block(m):
         layers = [_to_ours(tensors[LAYER.format(i=i) + hf_name], kind, m)
                   for i in range(m.num_layers)]
         blocks.setdefault(path[0], {})[path[1]] = cast(np.stack(layers))
@@ -107,7 +130,7 @@ def hf_from_params(params: dict, m, dtype) -> dict[str, np.ndarray]:
     """HF tensors (name -> ``dtype`` array, in HF's usual order) from our parameter tree."""
     out = {"model.embed_tokens.weight": params["embed"]}
     for i in range(m.num_layers):
-        for path, hf_name, kind in BLOCK:
+        for path, hf_name, kind in _block(m):
             out[LAYER.format(i=i) + hf_name] = _to_hf(params["blocks"][path[0]][path[1]][i], kind)
     out["model.norm.weight"] = params["final_norm"]["scale"]
     if not m.get("tie_embeddings", False):

@@ -10,10 +10,16 @@ def param_count(m) -> int:
     """Exact parameter count of model.Decoder for model config ``m``."""
     hd = head_dim(m)
     attn = m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads)  # wq, wo, wk, wv
+    attn += _qkv_biases(m)
     mlp = 3 * m.d_model * m.ffn_dim  # w_gate, w_up, w_down
     norms = 2 * m.d_model
     embed_and_head = (1 if _tied(m) else 2) * m.vocab_size * m.d_model
     return m.num_layers * (attn + mlp + norms) + embed_and_head + m.d_model  # + final norm
+
+
+def _qkv_biases(m) -> int:
+    """Bias entries per layer (bq, bk, bv) when model.qkv_bias is on."""
+    return head_dim(m) * (m.num_heads + 2 * m.num_kv_heads) if m.get("qkv_bias", False) else 0
 
 
 def _tied(m) -> bool:
@@ -21,10 +27,11 @@ def _tied(m) -> bool:
 
 
 def matmul_params(m) -> int:
-    """Parameters that take part in a matmul per token (everything but norms and the embedding
-    lookup; a tied table counts once, as the head)."""
+    """Parameters that take part in a matmul per token (everything but norms, biases and the
+    embedding lookup; a tied table counts once, as the head)."""
     lookup = 0 if _tied(m) else m.vocab_size * m.d_model
-    return param_count(m) - lookup - (2 * m.num_layers + 1) * m.d_model
+    return (param_count(m) - lookup - (2 * m.num_layers + 1) * m.d_model
+            - m.num_layers * _qkv_biases(m))
 
 
 def attention_flops_per_token(m, seq_len: int, causal: bool = True) -> float:

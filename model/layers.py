@@ -21,6 +21,12 @@ def _param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
 
 
+def _bias(shape, axes) -> nnx.Param:
+    """A zero-initialised bias; ``weight_decay=False`` keeps AdamW's decay off it
+    (training/optim.py decay_mask)."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes, weight_decay=False)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("norm",))
@@ -101,15 +107,25 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, m.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs, (d, m.num_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wo = _param(rngs, (m.num_heads, hd, d), ("heads", "head_dim", "embed"), out_std)
+        # Qwen2's biases on q, k and v (none on o), split over heads as their projections are.
+        if m.get("qkv_bias", False):
+            self.bq = _bias((m.num_heads, hd), ("heads", "head_dim"))
+            self.bk = _bias((m.num_kv_heads, hd), ("kv_heads", "head_dim"))
+            self.bv = _bias((m.num_kv_heads, hd), ("kv_heads", "head_dim"))
+        else:
+            self.bq = self.bk = self.bv = None
         self.rope, self.backend, self.dtype = rope_from_config(m), backend, dtype
 
+    def _project(self, x_BLD, w_DHK, b_HK):
+        y_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK[...].astype(self.dtype))
+        return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
+
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        c = lambda p: p[...].astype(self.dtype)
-        q_BLHD = self.rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wq)), positions_BL)
-        k_BLKD = self.rope(jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wk)), positions_BL)
-        v_BLKD = jnp.einsum("bld,dhk->blhk", x_BLD, c(self.wv))
+        q_BLHD = self.rope(self._project(x_BLD, self.wq, self.bq), positions_BL)  # bias before RoPE
+        k_BLKD = self.rope(self._project(x_BLD, self.wk, self.bk), positions_BL)
+        v_BLKD = self._project(x_BLD, self.wv, self.bv)
         o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL)
-        return jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype), c(self.wo))
+        return jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype), self.wo[...].astype(self.dtype))
 
 
 class SwiGLU(nnx.Module):

@@ -1,6 +1,7 @@
-"""scripts/convert_hf.py against transformers: small random LlamaForCausalLMs imported give
-transformers' logits (dense, and ring attention in every layout) and its greedy tokens; an
-export loads back in transformers with the very same tensors; bad input is one line."""
+"""scripts/convert_hf.py against transformers: small random LlamaForCausalLMs and
+Qwen2ForCausalLMs imported give transformers' logits (dense, and ring attention in every
+layout) and its greedy tokens; an export loads back in transformers with the very same tensors;
+bad input and every known architecture that does not convert is one line."""
 import json
 import pathlib
 
@@ -12,10 +13,13 @@ from flax import nnx
 
 # The reference, from requirements-test.txt (make test installs it).
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 from checkpoints.rundir import open_run
 from data.tokenizer import EOS, train_bpe
+from errors import ConversionError
+from hf import config as hf_config
 from hf.safetensors import Tensors
 from model.decoder import Decoder, single_device_model
 from model.layers import AttentionBackend
@@ -46,22 +50,34 @@ def tokenizer_files(rng, directory: pathlib.Path):
     return tok
 
 
+# family -> (config class, model class, query heads, head dim). Qwen2 here has 7 query heads
+# per kv head (with the default kv_heads=2), as Qwen2.5-7B has (28/4).
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, 4, 16),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM, 14, 8)}
+
+
 def hf_model(rng, directory: pathlib.Path, *, scaling="none", tied=False, kv_heads=2,
-             dtype=torch.float32, shard=None, **config):
-    """Saves a random LlamaForCausalLM (weights far from init, so every tensor matters)."""
+             dtype=torch.float32, shard=None, family="llama", **config):
+    """Saves a random LlamaForCausalLM or Qwen2ForCausalLM (weights and biases far from init,
+    so every tensor matters)."""
     directory.mkdir(parents=True)
     tok = tokenizer_files(rng, directory)
     max_pos = ORIGINAL * 4 if scaling in ("yarn", "llama3") else ORIGINAL
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
-                      max_position_embeddings=max_pos, rms_norm_eps=float(rng.uniform(1e-6, 1e-4)),
-                      rope_theta=float(rng.uniform(1e3, 1e5)), rope_scaling=SCALINGS[scaling],
-                      tie_word_embeddings=tied, eos_token_id=tok.token_to_id(EOS), **config)
+    config_class, model_class, heads, head_dim = FAMILIES[family]
+    cfg = config_class(vocab_size=tok.get_vocab_size(), hidden_size=heads * head_dim,
+                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                       rms_norm_eps=float(rng.uniform(1e-6, 1e-4)),
+                       rope_theta=float(rng.uniform(1e3, 1e5)), rope_scaling=SCALINGS[scaling],
+                       tie_word_embeddings=tied, eos_token_id=tok.token_to_id(EOS), **config)
     torch.manual_seed(int(rng.integers(2**31)))
-    model = LlamaForCausalLM(cfg).float()
+    model = model_class(cfg).float()
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            else:
+                p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     model = model.to(dtype)
     model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
     return model.float().eval()
@@ -126,9 +142,14 @@ def test_ring_attention_in_every_layout_gives_transformers_logits(rng, tmp_path,
 
 
 def test_greedy_generation_gives_transformers_tokens(rng, tmp_path, capsys):
-    from scripts import generate
     model = hf_model(rng, tmp_path / "hf", scaling="llama3", kv_heads=2)
     run = import_run(tmp_path / "hf", tmp_path / "run", "--config.data.seq_len=128")
+    assert_greedy_tokens_match(rng, run, model, capsys)
+
+
+def assert_greedy_tokens_match(rng, run, model, capsys):
+    """scripts/generate.py's greedy tokens from ``run`` are transformers' ``generate``'s."""
+    from scripts import generate
     prompt = " ".join(run.tokenizer.decode([int(i)]) for i in rng.integers(5, 250, 12))
     ids = run.tokenizer.encode(prompt).ids
     new = 3 * ORIGINAL  # runs well past the original context
@@ -146,12 +167,14 @@ def test_greedy_generation_gives_transformers_tokens(rng, tmp_path, capsys):
     assert ours == theirs and len(ours) > 0
 
 
-@pytest.mark.parametrize("dtype,shard", [(torch.float32, "40KB"), (torch.bfloat16, None)])
-def test_import_then_export_gives_the_original_tensors(rng, tmp_path, dtype, shard):
+@pytest.mark.parametrize("family,dtype,shard", [
+    ("llama", torch.float32, "40KB"), ("llama", torch.bfloat16, None),
+    ("qwen2", torch.bfloat16, None)])
+def test_import_then_export_gives_the_original_tensors(rng, tmp_path, family, dtype, shard):
     """Bit for bit, in the checkpoint's own dtype, from one file or shards with their index;
-    transformers loads the export and its tokenizer."""
+    transformers loads the export (as the architecture imported) and its tokenizer."""
     hf_model(rng, tmp_path / "hf", scaling="yarn", tied=bool(rng.integers(2)), dtype=dtype,
-             shard=shard)
+             shard=shard, family=family)
     assert shard is None or (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     import_run(tmp_path / "hf", tmp_path / "run")
     assert convert_hf.main(["export", "--run", str(tmp_path / "run"),
@@ -163,6 +186,7 @@ def test_import_then_export_gives_the_original_tensors(rng, tmp_path, dtype, sha
         np.testing.assert_array_equal(a[name].view(np.uint8), b[name].view(np.uint8))
     original = json.loads((tmp_path / "hf" / "config.json").read_text())
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(exported) is FAMILIES[family][1]
     assert exported.config.rope_parameters == original["rope_parameters"]
     assert exported.config.tie_word_embeddings == original["tie_word_embeddings"]
     text = " ".join(rng.choice(["abc", "defg", "hij", "klmnop", "ba"], 20))
@@ -201,9 +225,12 @@ def test_unsupported_models_and_bad_paths_are_one_line(rng, tmp_path, capsys):
     (tmp_path / "ok" / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
     code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
     assert code == 2 and "hidden_act='gelu'" in line
-    (tmp_path / "ok" / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({**cfg, "model_type": "mpt"}))
     code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
     assert code == 2 and "only LLaMA-architecture decoders convert" in line
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
+    assert code == 2 and "GPT-2 (model_type='gpt2') does not convert: learned absolute" in line
     (tmp_path / "ok" / "config.json").write_text(json.dumps(
         {**cfg, "rope_parameters": {"rope_type": "linear", "factor": 0.5, "rope_theta": 1e4}}))
     code, line = run_cli(capsys, "import", "--hf", str(tmp_path / "ok"), "--out", str(tmp_path / "r2"))
@@ -377,3 +404,122 @@ def test_llama3_shaped_import_gives_transformers_logits_and_tokens_and_exports_b
                 "num_key_value_heads"):
         assert getattr(exported.config, key) == getattr(model.config, key), key
     assert AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids == ours
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """One random Qwen2ForCausalLM (7 query heads per kv head, untied, yarn, biases far from
+    zero) and its import, shared by the Qwen2 tests below."""
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    d = tmp_path_factory.mktemp("qwen2")
+    model = hf_model(rng, d / "hf", scaling="yarn", family="qwen2")
+    run = import_run(d / "hf", d / "run", "--config.data.seq_len=128")
+    return model, run, seed
+
+
+@pytest.mark.parametrize("layout", ["dense", "contiguous", "striped", "zigzag"])
+def test_qwen2_gives_transformers_logits_dense_and_with_ring_attention_in_every_layout(
+        qwen2, rng, layout):
+    model, run, seed = qwen2
+    m = run.config.model
+    assert (m.qkv_bias, m.num_heads, m.num_kv_heads, m.tie_embeddings) == (True, 14, 2, False), seed
+    L = 4 * ORIGINAL
+    tokens = rng.integers(0, m.vocab_size, (2, L))
+    if layout == "dense":
+        got = our_logits(run, tokens)
+    else:
+        mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+        backend = AttentionBackend(impl="ring", layout=layout, mesh=mesh, block_q=8, block_kv=8)
+        got = our_logits(run, tokens, backend, permutation(layout, L, 4))
+    assert relative(got, hf_logits(model, tokens)) < 1e-4, seed
+
+
+def test_qwen2_greedy_generation_gives_transformers_tokens(qwen2, rng, capsys):
+    model, run, _ = qwen2
+    assert_greedy_tokens_match(rng, run, model, capsys)
+
+
+def test_qwen2_sliding_window_fields_read_as_transformers_reads_them(qwen2):
+    """Released Qwen2 configs carry sliding_window and max_window_layers with
+    use_sliding_window false (and no layer_types): nothing slides, the import is the same.
+    With it true, the layers transformers would slide stop the import in one line."""
+    _, run, _ = qwen2
+    cfg = json.loads((run.directory / "hf" / "config.json").read_text())
+    want = hf_config.model_fields(cfg)
+    assert want["qkv_bias"] is True
+    released = {k: v for k, v in cfg.items() if k != "layer_types"}
+    released.update(use_sliding_window=False, sliding_window=32, max_window_layers=1)
+    for window_layers, slides in ((1, True), (2, False)):  # 2 layers: from layer 2 on is none
+        case = {**released, "max_window_layers": window_layers}
+        layer_types = Qwen2Config(**{**case, "use_sliding_window": True}).layer_types
+        assert ("sliding_attention" in layer_types) == slides
+        assert hf_config.model_fields(case) == want
+        case["use_sliding_window"] = True
+        if not slides:
+            assert hf_config.model_fields(case) == want
+            continue
+        with pytest.raises(ConversionError) as e:
+            hf_config.model_fields(case)
+        assert str(e.value) == (
+            "config.json: use_sliding_window=true (layers 1..1 attend within sliding_window=32); "
+            "sliding windows do not convert yet (every layer here attends to the whole causal "
+            "context)")
+        with pytest.raises(ConversionError, match=r"^config.json: layer_types has "
+                                                  r"'sliding_attention' layers; every layer"):
+            hf_config.model_fields({**released, "layer_types": layer_types})
+
+
+# (config.json beyond a LLaMA one, what the one line must say): every known architecture that
+# does not convert names itself and what it has that this model lacks.
+REFUSALS = {
+    "gemma": ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"],
+               "hidden_act": "gelu_pytorch_tanh"}, ["Gemma (model_type='gemma')", "GeGLU"]),
+    "gemma2": ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+                "attn_logit_softcapping": 50.0, "sliding_window": 4096},
+               ["Gemma 2 (", "attention logit soft-capping", "local sliding-window / global"]),
+    "gemma3": ({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
+               ["Gemma 3 (", "local sliding-window / global layers with two RoPE bases"]),
+    "mixtral": ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                 "num_local_experts": 8}, ["Mixtral (", "mixture-of-experts MLP (num_local_experts)"]),
+    "qwen2_moe": ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+                   "num_experts": 60}, ["Qwen2-MoE (", "mixture-of-experts MLP (num_experts)"]),
+    "any moe": ({"model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"],
+                 "num_local_experts": 32},
+                ["num_local_experts=32: a mixture-of-experts MLP does not convert "
+                 "(GraniteMoeForCausalLM)"]),
+    "any softcap": ({"model_type": "custom", "architectures": ["CustomForCausalLM"],
+                     "final_logit_softcapping": 30.0},
+                    ["final_logit_softcapping=30.0: logit soft-capping does not convert"]),
+    "qwen3": ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+              ["Qwen3 (", "RMSNorm on q and k"]),
+    "phi3": ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]},
+             ["Phi-3 (", "fused qkv_proj and gate_up_proj"]),
+    "falcon": ({"model_type": "falcon", "architectures": ["FalconForCausalLM"]},
+               ["Falcon (", "parallel attention and MLP"]),
+    "gpt_neox": ({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]},
+                 ["GPT-NeoX (", "partial rotary embedding"]),
+    "deepseek_v3": ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                     "n_routed_experts": 256}, ["DeepSeek-V3 (", "multi-head latent attention"]),
+    "mistral window": ({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                        "sliding_window": 4096, "max_position_embeddings": 32768},
+                       ["sliding_window=4096; this model attends to the whole causal context"]),
+    "llama o bias": ({"attention_bias": True},
+                     ["attention_bias=true (biases on q, k, v and o); only Qwen2's q/k/v biases"]),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_each_known_architecture_that_does_not_convert_is_one_line_naming_it(name):
+    changes, fragments = REFUSALS[name]
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300,
+           "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 96, "max_position_embeddings": 64, **changes}
+    with pytest.raises(ConversionError) as e:
+        hf_config.model_fields(cfg)
+    line = str(e.value)
+    assert line.startswith("config.json: ") and "\n" not in line
+    for fragment in fragments:
+        assert fragment in line, line
+    if changes.get("model_type", "llama") not in ("llama", "mistral"):
+        assert line.endswith("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"), line

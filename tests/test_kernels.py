@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
+from parallel.attention import context_parallel_attention
 from parallel.kernels import accumulators as ac
 from parallel.kernels import fused, predicate, tables, tiling, xla
 from parallel.kernels.spec import RoundSpec, Tile
@@ -167,6 +168,48 @@ def test_any_group_with_default_tiles(rng, kernel, group):
     on the simulated CPU devices; of one on a one-GPU host (scripts/device_check.sh)."""
     n = min(2, len(jax.devices()))
     run_all_layouts(rng, n, (group, 1), "packed", layouts=LAYOUTS, kernel=kernel)
+
+
+# Qwen2.5-7B's 7 query heads per kv head (28/4) through every strategy: (N, (Hq, Hkv), arguments,
+# layout). Ulysses splits whole head groups, so 7/1 cannot split U=2 ways: those two run 14/2
+# (still group 7); test_group_7_that_cannot_split_is_one_line names the refusal.
+GROUP_7 = {"ring": (2, (7, 1), {}, "striped"), "allgather": (2, (7, 1), {}, "zigzag"),
+           "ulysses": (2, (14, 2), {}, "contiguous"), "usp": (4, (14, 2), {"ulysses": 2}, "zigzag")}
+# By default each strategy runs with one kernel and each kernel with some strategy (the ring
+# with both fused kernels is test_any_group_with_default_tiles[7]); the full matrix runs every
+# strategy with every kernel (about 2 minutes on 2 cores instead of 15 s).
+if FULL_MATRIX:
+    GROUP_7_CASES = list(itertools.product(GROUP_7, ("xla", *PALLAS)))
+else:
+    GROUP_7_CASES = [("ring", "xla"), ("allgather", "pallas_tpu"), ("ulysses", "pallas_gpu"),
+                     ("usp", "xla")]
+
+
+@pytest.mark.parametrize("case", GROUP_7_CASES, ids=lambda c: "-".join(c))
+def test_group_of_7_query_heads_per_kv_head_in_every_strategy_and_kernel(rng, case):
+    """Outputs and dQ/dK/dV against the float64 reference, packed documents, several q and kv
+    tiles per chunk (one layout per strategy: the layouts share the program)."""
+    impl, kernel = case
+    n, heads, kw, layout = GROUP_7[impl]
+    bq, bk = tiles(kernel) if kernel != "xla" else (4, 8)
+    run_all_layouts(rng, n, heads, "packed", impl, layouts=[(layout, 1)], block_q=bq,
+                    block_kv=bk, kernel=kernel, **kw)
+
+
+@pytest.mark.parametrize("impl,n,u,message", [
+    ("ulysses", 2, None, r"^ulysses splits heads over the 2-way sequence axis, but query heads "
+     r"\(7\) and kv heads \(1\) per tensor shard are not both divisible by 2; sequence axis sizes "
+     r"that work: 1 \(or usp/ring/allgather\)$"),
+    ("usp", 4, 2, r"^usp ulysses degree 2 must divide the sequence axis \(4\) and both query "
+     r"heads \(7\) and kv heads \(1\) per tensor shard; valid: 1$"),
+])
+def test_group_7_that_cannot_split_is_one_line(impl, n, u, message):
+    """7 query heads over 1 kv head (Qwen2.5-7B's 28/4 over mesh.tensor=4) split over no
+    Ulysses degree but 1: the head check says so before anything runs."""
+    q, kv = jnp.zeros((1, 8 * n, 7, D)), jnp.zeros((1, 8 * n, 1, D))
+    with pytest.raises(ValueError, match=message):
+        context_parallel_attention(q, kv, kv, mesh=ring_mesh(n), layout="striped", impl=impl,
+                                   ulysses=u)
 
 
 def test_uneven_group_over_many_tiles(rng):

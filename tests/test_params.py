@@ -53,3 +53,23 @@ def test_gqa_shrinks_only_kv_projections():
     full = param_count(m)
     m.num_kv_heads = 4
     assert full - param_count(m) == m.num_layers * 2 * m.d_model * 128 * (16 - 4)
+
+
+def test_qkv_biases_are_counted_sharded_like_their_projections():
+    """model.qkv_bias adds bq [H, hd], bk and bv [K, hd] per layer (and nothing to the matmul
+    parameters); each splits its heads over the tensor axis as its projection does."""
+    from model.flops import matmul_params
+    from parallel.mesh import logical_to_spec
+    m = importlib.import_module("configs.tiny").get_config().model
+    m.update(num_heads=14, num_kv_heads=2, head_dim=8)
+    plain, plain_matmul = param_count(m), matmul_params(m)
+    m.qkv_bias = True
+    abstract = nnx.eval_shape(lambda: Decoder(m, AttentionBackend(), nnx.Rngs(0)))
+    counted = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert counted == param_count(m) == plain + m.num_layers * 8 * (14 + 2 * 2)
+    assert matmul_params(m) == plain_matmul
+    attn = abstract.blocks.attn
+    for b, w, heads in ((attn.bq, attn.wq, 14), (attn.bk, attn.wk, 2), (attn.bv, attn.wv, 2)):
+        assert b.shape == (m.num_layers, heads, 8)
+        assert logical_to_spec(b.get_metadata()["axes"], b.ndim)[1] == "tensor"
+        assert b.get_metadata()["axes"][0] == w.get_metadata()["axes"][1]

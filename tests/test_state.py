@@ -11,8 +11,9 @@ from training.state import Trainer
 
 def config(impl, layout, mesh):
     c = tiny.get_config()
+    # With Qwen2's q/k/v biases: their gradients too, split over tensor with their heads.
     c.model.update(vocab_size=101, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   ffn_dim=96, dtype="float32", remat="full")
+                   ffn_dim=96, dtype="float32", remat="full", qkv_bias=True)
     c.attention.update(impl=impl, layout=layout, block_q=16, block_kv=16)
     c.mesh.update(mesh)
     c.data.update(seq_len=64, batch_size=4)
@@ -69,6 +70,7 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh):
     ref_loss, ref_grads = run_step("dense", "contiguous", one, jax.devices()[:1], batch, seed)
     loss, grads = run_step(impl, layout, mesh, jax.devices(), batch, seed)
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
+    assert np.abs(grads["blocks"]["attn"]["bk"]).max() > 0
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 

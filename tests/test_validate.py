@@ -60,6 +60,10 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"attention__impl": "usp", "attention__ulysses": 4}, 8, "attention.ulysses=4: usp ulysses degree 4 must divide the sequence axis (4) and both query heads (4) and kv heads (2) per tensor shard; valid: 1, 2"),
     ({"attention__impl": "usp", "attention__ulysses": 0}, 8, "attention.ulysses=0: usp ulysses degree 0 must divide"),
     ({"attention__impl": "usp", "mesh__tensor": 2, "mesh__fsdp": 1}, 8, "attention.ulysses=2: usp ulysses degree 2 must divide the sequence axis (4) and both query heads (2) and kv heads (1) per tensor shard; valid: 1"),
+    # Qwen2.5-7B's heads (28/4) over a 4-way tensor axis: 7/1 per shard split over no U but 1.
+    ({"attention__impl": "usp", "mesh__tensor": 4, "mesh__sequence": 2, "mesh__fsdp": 1,
+      "model__num_heads": 28, "model__num_kv_heads": 4, "model__head_dim": 16}, 8,
+     "attention.ulysses=2: usp ulysses degree 2 must divide the sequence axis (2) and both query heads (7) and kv heads (1) per tensor shard; valid: 1"),
     ({"attention__impl": "allgather", "attention__block_kv": 48}, 8, "attention.block_kv=48 does not divide the per-device chunk of 128 tokens"),
     ({"data__min_doc_tokens": -1}, 8, "data.min_doc_tokens=-1 must be >= 0 (0 keeps every document)"),
     ({"data__long_doc_upsample": 0, "data__long_doc_tokens": 512}, 8, "data.long_doc_upsample=0 must be >= 1"),

@@ -15,12 +15,16 @@ def schedule(t) -> optax.Schedule:
 
 
 def decay_mask(abstract_params):
-    """True where weight decay applies: every Param except norm scales (and biases, if any).
+    """True where weight decay applies: every Param except norm scales and biases.
 
-    Read from the logical axes rather than ndim: stacked per-layer norm scales are 2-D."""
+    Read from metadata rather than ndim: stacked per-layer norm scales are 2-D, and a bias
+    (model/layers.py _bias, marked ``weight_decay=False``) is 3-D once stacked."""
+    def decays(v):
+        meta = v.get_metadata()
+        return "norm" not in (meta.get("axes") or ()) and meta.get("weight_decay", True)
+
     return nnx.to_pure_dict(jax.tree.map(
-        lambda v: not ({"norm", "bias"} & set(v.get_metadata().get("axes") or ())),
-        abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+        decays, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def make_optimizer(t, mask) -> optax.GradientTransformation:
