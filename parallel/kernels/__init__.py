@@ -80,11 +80,11 @@ def platform_of(mesh) -> str:
 
 def resolve(kernel: str, platform: str) -> str:
     """The concrete kernel (``xla | pallas_gpu | pallas_tpu``) for a request on a platform."""
-    if kernel != "auto" and kernel not in REGISTRY:  # not KERNELS: it misses entries added later
-        raise KernelError(f"unknown attention kernel {kernel!r}; "
-                          f"valid: {', '.join(('auto', *REGISTRY))}")
     if kernel == "auto":
         return AUTO.get(platform, "xla")
+    if kernel not in REGISTRY:  # not KERNELS: it misses entries added later
+        raise KernelError(f"unknown attention kernel {kernel!r}; "
+                          f"valid: {', '.join(('auto', *REGISTRY))}")
     return kernel
 
 

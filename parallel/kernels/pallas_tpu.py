@@ -23,6 +23,7 @@ from errors import KernelError
 from parallel.kernels import flash
 from parallel.kernels.spec import RoundSpec, Tile
 
+
 # ----------------------------------------------------------------------------- tile rules
 # (``tiling.py`` fits them to the chunk.) A tile holds ``block_q * G`` rows of the folded queries
 # (sublanes: a multiple of 8) and ``block_kv`` keys on lanes (a multiple of 128), unless it is the
