@@ -59,9 +59,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Per-round kernel: auto picks the fused Pallas kernel of the platform (GPU: Triton, TPU:
     # Mosaic) and xla on a CPU; a Pallas value on a CPU runs in interpret mode (exact, slow).
     a.kernel = "auto"  # auto | xla | pallas_gpu | pallas_tpu
-    # Pallas tiles in positions, for the forward and both backward kernels; 0: the defaults of
-    # parallel/kernels/tiling.py (GPU: per arch, head dim and dtype, from scripts/gpu_compile.py;
-    # TPU: about 512 q rows, block_q x heads per kv head, and 512 keys). block_q/kv are xla's.
+    # Pallas tiles in positions, for the forward and both backward kernels; 0: each kernel's
+    # defaults (parallel/kernels/pallas_gpu.py: per arch, head dim and dtype, from
+    # scripts/gpu_compile.py; pallas_tpu.py: about 512 q rows, block_q x heads per kv head, and
+    # 512 keys), fitted to the chunk by parallel/kernels/tiling.py. block_q/kv are xla's.
     a.pallas_block_q = 0
     a.pallas_block_kv = 0
     # With the mask, a step's work depends on where its documents start, and only a finely

@@ -88,7 +88,8 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     interpret = kernels.interpret(kernel, platform)
     tiles = tiling.plan(kernel, block_q, block_kv, group=hq // hkv, head_dim=d,
                         dtype=jnp.dtype(q.dtype).name, chunk=chunk, seq_len=length, shards=n,
-                        interpret=interpret, arch=tiling.gpu_arch(kernels.first_device(mesh)))
+                        interpret=interpret,
+                        arch=tiling.device_arch(kernel, kernels.first_device(mesh)))
     block_q, block_kv = tiles[0][:2]
     call = Call(mesh, axis, batch_axes, head_axis, bool(causal), block_q, block_kv,
                 1.0 / math.sqrt(d), kernel, interpret, impl, u, tiles)

@@ -12,5 +12,5 @@ The fused attention kernels compiled for accelerators not owned (scripts/gpu_com
 kernel_export.py  one ring round of the fused kernels, built as training builds it
 gpu_kernels.py    Triton IR from a CUDA export, compiled for sm_80 / sm_90: registers, spills, smem
 tpu_kernels.py    Mosaic lowering for a TPU and the VMEM of the kernels' blocks
-tile_sweep.py     the search behind parallel/kernels/tiling.py's GPU defaults
+tile_sweep.py     the search behind parallel/kernels/pallas_gpu.py's default tiles
 """

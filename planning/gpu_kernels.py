@@ -21,7 +21,7 @@ import jax
 from jax import export
 
 from planning import kernel_export as kx
-from parallel.kernels.tiling import SMEM_LIMIT
+from parallel.kernels.pallas_gpu import SMEM_LIMIT
 
 CUSTOM_CALL = "__gpu$xla.gpu.triton"
 TENSOR_CORES = {"sm_80": "mma.sync.aligned", "sm_86": "mma.sync.aligned", "sm_90": "wgmma.mma_async"}

@@ -1,4 +1,4 @@
-"""The search that chose ``parallel/kernels/tiling.py``'s GPU defaults.
+"""The search that chose ``parallel/kernels/pallas_gpu.py``'s default tiles (``GPU_TILES``).
 
 Per arch, head dim, dtype and kernel (forward, dQ, dK/dV): candidates from the largest tile
 down (its own rows first: the q tile of the forward and dQ kernels, the kv tile of dK/dV; then

@@ -106,7 +106,7 @@ def build(kernel, args, chunk, case, platform):
         interpret = kernels.interpret(kernel, platform)
         tiles = tiling.plan(kernel, args.block, args.block, group=hq // hkv, head_dim=d,
                             dtype=args.dtype, chunk=chunk, seq_len=chunk, shards=1,
-                            interpret=interpret, arch=tiling.gpu_arch(jax.devices()[0]))
+                            interpret=interpret, arch=tiling.device_arch(kernel, jax.devices()[0]))
         spec = RoundSpec(kernel, *tiles, hq // hkv, hkv, d, scale, True, False, interpret)
 
         def forward(q, k, v):

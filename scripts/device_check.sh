@@ -67,7 +67,7 @@ STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout 120 $PY -m pytest -q -p no:cacheprovider
 tail -25 "$OUT_DIR/kernel_tests.log"
 
 stage "1b. compile report of the default tiles for this GPU's architecture (head_dim 128)"
-arch=$($PY -c "import jax; from parallel.kernels import tiling; print(tiling.gpu_arch(jax.devices()[0]))")
+arch=$($PY -c "import jax; from parallel.kernels import pallas_gpu; print(pallas_gpu.device_arch(jax.devices()[0]))")
 timeout 90 $PY scripts/gpu_compile.py --arch "$arch" --head-dims 128 --groups 1,4 --dtypes bfloat16 \
   > "$OUT_DIR/gpu_compile.log" 2>&1 || echo "(gpu_compile needs the pinned triton package; see the log)"
 tail -12 "$OUT_DIR/gpu_compile.log"

@@ -1,7 +1,7 @@
 """Compile report of the fused attention kernels for GPUs (and TPUs) this machine does not have.
 
 Every fused GPU kernel (forward, dQ, dK/dV), built through the ring's own code path with the
-default tiles, warps and stages of ``parallel/kernels/tiling.py`` (or the ones given), lowered
+default tiles, warps and stages of ``parallel/kernels/pallas_gpu.py`` (or the ones given), lowered
 for CUDA with ``jax.export`` and compiled for sm_80 / sm_90 by the ``triton`` package: registers
 per thread, spill bytes, shared memory per block against the arch's limit, tensor-core
 instructions (``mma`` on sm_80, ``wgmma`` on sm_90) in the PTX (``planning/gpu_kernels.py``).

@@ -8,12 +8,15 @@ so the layouts are the cheap axis of the matrix.
 import itertools
 import math
 import os
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from errors import KernelError
 from parallel import kernels
 from parallel.attention import context_parallel_attention
 from parallel.kernels import accumulators as ac
@@ -158,6 +161,55 @@ def test_a_tile_the_kernel_cannot_run_is_one_line(kernel, block_q, block_kv, mes
     if "divide" not in message:
         tiling.plan(kernel, block_q, block_kv, group=3, head_dim=128, dtype="bfloat16", chunk=128,
                     seq_len=512, shards=4, interpret=True)
+
+
+def test_a_new_kernel_is_one_module_and_one_registry_entry(rng, monkeypatch):
+    """A kernel no code names: its module (built here: xla's round interface behind its own tile
+    rules) and its REGISTRY entry are all that tiling.plan, the registry and the ring need."""
+    name, seen = "test_only_kernel", []
+    mod = types.ModuleType(f"parallel.kernels.{name}")
+    mod.ANY_CHUNKS, mod.queries, mod.grad_queries = xla.ANY_CHUNKS, xla.queries, xla.grad_queries
+    mod.default_tiles = lambda group, head_dim, dtype, arch: (Tile(8, 16, 2, 1), Tile(4, 8),
+                                                               Tile(16, 4))
+
+    def check_tile(names, tile, group, head_dim, chunk):
+        if tile.block_kv % 4:
+            raise KernelError(f"{names[1]}={tile.block_kv}: the test kernel needs a multiple of 4")
+
+    def attend(spec, query, kv, acc):
+        seen.append(("fwd", spec.kernel, spec.fwd))
+        return xla.attend(spec, query, kv, acc)
+
+    def attend_grads(spec, query, kv, dq):
+        seen.append(("dq", spec.kernel, spec.dq))
+        return xla.attend_grads(spec, query, kv, dq)
+
+    mod.check_tile, mod.attend, mod.attend_grads = check_tile, attend, attend_grads
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)  # both undone after the test
+    monkeypatch.setitem(kernels.REGISTRY, name, kernels.Kernel(platform=None, fused=False))
+    assert kernels.resolve(name, "cpu") == name and kernels.rounds(name) is mod
+    assert not kernels.interpret(name, "cpu")
+
+    def plan(chunk, block_q=None, block_kv=None, interpret=False):
+        return tiling.plan(name, block_q, block_kv, group=2, head_dim=D, dtype="float32",
+                           chunk=chunk, seq_len=4 * chunk, shards=4, interpret=interpret)
+
+    # its defaults; fitted to a chunk they do not divide (24: the largest power of two that
+    # does) or that is shorter (8: the chunk); a user's tile for all three, checked by its rule
+    assert plan(32) == (Tile(8, 16, 2, 1), Tile(4, 8, 4, 2), Tile(16, 4, 4, 2))
+    assert plan(24) == plan(8) == (Tile(8, 8, 2, 1), Tile(4, 8, 4, 2), Tile(8, 4, 4, 2))
+    assert plan(24, 12, 8) == (Tile(12, 8, 2, 1), Tile(12, 8, 4, 2), Tile(12, 8, 4, 2))
+    with pytest.raises(KernelError, match=r"^block_kv=6: the test kernel needs a multiple of 4$"):
+        plan(24, 12, 6)
+    assert plan(24, 12, 6, interpret=True)[0] == Tile(12, 6, 2, 1)  # its rule: real kernel only
+    with pytest.raises(ValueError, match="block_q=5 does not divide the per-device chunk of 24"):
+        plan(24, 5, 8)
+
+    # the ring runs it with the planned tiles (chunk L / 2 = 32), exact against float64
+    run_all_layouts(rng, 2, (4, 2), "packed", layouts=[("striped", 1)], kernel=name)
+    assert {x[2] for x in seen if x[0] == "fwd"} == {Tile(8, 16, 2, 1)}
+    assert {x[2] for x in seen if x[0] == "dq"} == {Tile(4, 8, 4, 2)}
+    assert {x[1] for x in seen} == {name}
 
 
 @pytest.mark.parametrize("group", [3, 5, 6, 7])

@@ -125,7 +125,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
 
 
 def _check_tiles(kernel, a, m, seq_len, n, platform):
-    """The tiles the kernel will run, by its own rules (``parallel/kernels/tiling.py``)."""
+    """The tiles the kernel will run, by its own rules (its module's, through ``tiling.plan``)."""
     chunk, block_q, block_kv = seq_len // n, *kernels.tiles(kernel, a)
     try:
         if kernel == "xla":

@@ -22,9 +22,9 @@ The interface a strategy calls (its chunk-pair loop, ``Rounds``), per kernel mod
 
 ``xla`` implements it itself. A fused kernel implements ``forward``/``backward_dq``/
 ``backward_dkv`` over visit tables (``tables.py``) and ``fused.py`` turns it into the interface.
-A new kernel is one file plus one :data:`REGISTRY` entry.
-
-Tile sizes, their defaults and their rules: ``tiling.py``.
+Each module also holds its tile rules: ``default_tiles`` and, optionally, ``check_tile`` (the
+one-line error for a tile its real kernel cannot run); ``tiling.py`` fits and checks through
+them. A new kernel is one file plus one :data:`REGISTRY` entry.
 
 A Pallas kernel asked for on a platform that is not its own (a CPU in the tests) runs in
 Pallas interpret mode: exact, slow. ``STRIPEDJAX_PALLAS_INTERPRET=1`` forces interpret mode
@@ -80,16 +80,18 @@ def platform_of(mesh) -> str:
 
 def resolve(kernel: str, platform: str) -> str:
     """The concrete kernel (``xla | pallas_gpu | pallas_tpu``) for a request on a platform."""
-    if kernel not in KERNELS:
-        raise KernelError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
     if kernel == "auto":
         return AUTO.get(platform, "xla")
+    if kernel not in REGISTRY:  # not KERNELS: it misses entries added later
+        raise KernelError(f"unknown attention kernel {kernel!r}; "
+                          f"valid: {', '.join(('auto', *REGISTRY))}")
     return kernel
 
 
 def tiles(kernel: str, attention) -> tuple[int | None, int | None]:
     """(block_q, block_kv) asked of a resolved kernel by the ``attention`` config section; None:
-    the Pallas kernel's defaults (``tiling.py``: they depend on the shapes and the device)."""
+    the kernel's defaults (its module's ``default_tiles``: they depend on the shapes and the
+    device)."""
     if kernel == "xla":
         return attention.block_q, attention.block_kv
     return attention.pallas_block_q or None, attention.pallas_block_kv or None

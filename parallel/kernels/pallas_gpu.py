@@ -12,7 +12,7 @@ stride G. A tile of ``block_q * G`` folded rows would have to be a power of two 
 for every in-kernel array), which it never is for G = 3, 5, 6, 7, ...; padding the group to a
 power of two would compute up to 60% dummy rows (G = 5 -> 8) and copy q, dO and the row
 statistics every round. Per-head programs do no extra arithmetic and make the tile independent
-of G, so one table of default tiles (``tiling.py``) serves every model; the G programs of a kv
+of G, so one table of default tiles (``GPU_TILES``) serves every model; the G programs of a kv
 head re-read the same K/V tiles, from L2 (they run together: the grid's fastest axes are the q
 tile and the head).
 
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from errors import KernelError
 from parallel.kernels import flash
 from parallel.kernels.spec import RoundSpec, Tile
 
@@ -38,6 +39,81 @@ from parallel.kernels.spec import RoundSpec, Tile
 TRITON_DEPRECATED = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
                         category=DeprecationWarning)
+
+
+# ----------------------------------------------------------------------------- tile rules
+# (``tiling.py`` fits them to the chunk.) Triton sizes every in-kernel array to a power of two and
+# its dots want 16 or more per side, so tiles and the head dim are powers of two >= 16. A program
+# holds one query head, so the tile does not depend on the group. The defaults are per
+# architecture, head dim and dtype, and may differ between the forward, dQ and dK/dV kernels:
+# each is the largest tile, then warps and stages, that compiles with no register spill and
+# within the arch's shared memory.
+
+TRITON_MIN = 16  # the smallest side of a Triton dot
+
+# Shared memory a block may use (the opt-in maximum), bytes: A100 (sm_80); the other Amperes
+# and Ada, e.g. A10, L4, RTX 4090 (sm_86 / sm_89: the sm_86 row); H100 / H200 (sm_90).
+SMEM_LIMIT = {"sm_80": 166_912, "sm_86": 101_376, "sm_90": 232_448}
+
+# (arch, head_dim) -> (forward, dQ, dK/dV) tiles: Tile(block_q, block_kv, num_warps, num_stages).
+# Chosen by
+#     python scripts/gpu_compile.py --sweep --arch sm_80,sm_86,sm_90 --dtypes bfloat16
+# (planning/tile_sweep.py: every candidate compiled for the arch by the triton package; the
+# largest tile, then warps, then stages, with and without segment ids, for groups 1, 4 and 7,
+# with no spill, 8 KiB under SMEM_LIMIT and with tensor-core instructions). fp16 compiles the
+# same (python scripts/gpu_compile.py reports every default clean). fp32 inputs halve the tiles,
+# unswept: full-precision fp32 dots have no tensor cores and still spill at these tiles
+# (--dtypes float32 shows it); fp32 is no GPU training dtype here (model.dtype=auto is bf16).
+GPU_TILES = {
+    ("sm_90", 64): (Tile(128, 128, 8, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 3)),
+    ("sm_90", 128): (Tile(128, 128, 8, 2), Tile(128, 64, 8, 3), Tile(128, 64, 8, 1)),
+    ("sm_90", 256): (Tile(64, 32, 8, 3), Tile(64, 32, 8, 3), Tile(128, 16, 8, 2)),
+    ("sm_80", 64): (Tile(128, 128, 8, 3), Tile(128, 64, 8, 3), Tile(128, 32, 4, 2)),
+    ("sm_80", 128): (Tile(64, 128, 8, 2), Tile(64, 128, 8, 2), Tile(128, 64, 8, 2)),
+    ("sm_80", 256): (Tile(32, 128, 8, 2), Tile(64, 64, 8, 2), Tile(64, 32, 8, 2)),
+    ("sm_86", 64): (Tile(128, 128, 8, 3), Tile(128, 64, 8, 3), Tile(128, 32, 4, 3)),
+    ("sm_86", 128): (Tile(64, 128, 8, 1), Tile(64, 128, 8, 1), Tile(64, 64, 8, 2)),
+    ("sm_86", 256): (Tile(64, 64, 8, 1), Tile(64, 16, 8, 2), Tile(16, 64, 8, 2)),
+}
+
+
+def device_arch(device=None) -> str:
+    """The ``GPU_TILES`` architecture of a device, from its compute capability: sm_80 for 8.0,
+    sm_86 for the other 8.x, sm_90 for 9.0 and above and when there is none (a CPU: interpret
+    mode, or an export)."""
+    cc = getattr(device, "compute_capability", None)
+    if not cc or float(cc) >= 9:
+        return "sm_90"
+    return "sm_80" if float(cc) == 8.0 else "sm_86"
+
+
+def default_tiles(group, head_dim, dtype, arch=None):
+    """The ``GPU_TILES`` row of ``arch`` (None: sm_90) for the nearest head dim at or above
+    ``head_dim`` (else the largest); fp32 inputs hold twice the bytes per operand: half the
+    tiles (a guess the sweep has not made)."""
+    dims = sorted({d for (_, d) in GPU_TILES})
+    row = GPU_TILES[(arch or "sm_90", next((x for x in dims if x >= head_dim), dims[-1]))]
+    if dtype in ("bfloat16", "float16"):
+        return row
+    return tuple(t._replace(block_q=max(TRITON_MIN, t.block_q // 2),
+                            block_kv=max(TRITON_MIN, t.block_kv // 2)) for t in row)
+
+
+def _pow2(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+def check_tile(names, tile: Tile, group, head_dim, chunk):
+    """One-line KernelError unless Triton can compile ``tile`` and the head dim."""
+    valid = f"powers of two >= {TRITON_MIN} dividing the chunk of {chunk} tokens"
+    for name, b in zip(names, tile[:2]):
+        if not (_pow2(b) and b >= TRITON_MIN):
+            raise KernelError(f"{name}={b}: the Triton kernel (pallas_gpu) needs {valid}")
+    if not (_pow2(head_dim) and head_dim >= TRITON_MIN):
+        raise KernelError(f"head dim {head_dim} (model.head_dim, or d_model / num_heads): the "
+                          f"Triton kernel (pallas_gpu) needs a power of two >= {TRITON_MIN}; "
+                          f"use attention.kernel=xla")
+
 
 
 def _params(spec: RoundSpec, tile: Tile):

@@ -19,8 +19,33 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from errors import KernelError
 from parallel.kernels import flash
 from parallel.kernels.spec import RoundSpec, Tile
+
+
+# ----------------------------------------------------------------------------- tile rules
+# (``tiling.py`` fits them to the chunk.) A tile holds ``block_q * G`` rows of the folded queries
+# (sublanes: a multiple of 8) and ``block_kv`` keys on lanes (a multiple of 128), unless it is the
+# whole chunk. The default keeps about 512 rows whatever the group, in power-of-two positions.
+
+TPU_ROWS, TPU_KV = 512, 512  # q rows (positions x group) and keys per Mosaic tile
+
+
+def default_tiles(group, head_dim, dtype, arch=None):
+    block_q = 1 << max(3, (TPU_ROWS // group).bit_length() - 1)  # a power of two, >= 8
+    return (Tile(block_q, TPU_KV),) * 3
+
+
+def check_tile(names, tile: Tile, group, head_dim, chunk):
+    """One-line KernelError unless Mosaic can lay ``tile`` out."""
+    (nq, nk), (bq, bk) = names, tile[:2]
+    if bk != chunk and bk % 128:
+        raise KernelError(f"{nk}={bk}: the Mosaic kernel (pallas_tpu) needs a multiple of 128 "
+                          f"dividing the chunk of {chunk} tokens, or the chunk itself")
+    if bq != chunk and bq * group % 8:
+        raise KernelError(f"{nq}={bq}: the Mosaic kernel (pallas_tpu) needs {nq} x "
+                          f"{group} query heads per kv head to be a multiple of 8, or the chunk")
 
 
 def _row(tbl_ref, b, i, n, kh):

@@ -22,9 +22,19 @@ from jax import lax
 
 from parallel.kernels import accumulators as ac
 from parallel.kernels import predicate
-from parallel.kernels.spec import RoundSpec
+from parallel.kernels.spec import RoundSpec, Tile
 
 ANY_CHUNKS = True  # one call may hold any number of chunks of queries and of keys
+
+# Tile rules (``tiling.py``): one tile for all three passes, the user's or ``XLA_TILE``; any tile
+# dividing the chunk runs, a larger one is clamped to it. The default is attention.block_q /
+# block_kv's, so it must divide the chunk like theirs (not shrunk to fit).
+XLA_TILE = 512  # positions, both sides
+FIT_DEFAULTS = False
+
+
+def default_tiles(group, head_dim, dtype, arch=None):
+    return (Tile(XLA_TILE, XLA_TILE),) * 3
 
 
 # ----------------------------------------------------------------------------- round interface
