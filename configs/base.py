@@ -31,6 +31,10 @@ def get_config() -> ml_collections.ConfigDict:
     s.beta_slow = 1.0  # yarn: rotations below which a frequency interpolates
     s.attention_factor = 0.0  # yarn: cos/sin scale; 0 means 0.1 * ln(factor) + 1
     s.truncate = True  # yarn: round the ramp's ends to whole dimensions
+    # Sliding-window attention (Mistral's convention): a query at position p sees keys with
+    # p - W < k_pos <= p; 0 = full causal attention. In the contiguous layout the ring stops
+    # after the rounds the window reaches (docs/layouts.md: which layout wins with a window).
+    m.sliding_window = 0
     m.tie_embeddings = False  # the output head is the embedding table (as in TinyLlama-like HF models)
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))
