@@ -324,3 +324,27 @@ def test_planner_and_mfu_read_one_peak_table():
     for name, kind in kinds.items():
         devices = [SimpleNamespace(platform="gpu", device_kind=kind)] * 8
         assert peak_flops_total(devices) == 8 * HARDWARE[name].peak_flops, name
+
+
+def test_a_window_stops_the_planned_contiguous_ring():
+    """7B at 1M tokens on a 64-device ring across nodes with model.sliding_window = 4096 (a
+    chunk is 16,384): the contiguous ring runs 2 rounds, so its attention is 2 rounds' worth,
+    where striped and zigzag still wait for the links 64 times; the same through the
+    strategies' projection."""
+    mesh = {"data": 1, "fsdp": 1, "sequence": 64, "tensor": 1}
+    config = planned_config(importlib.import_module("configs.llama_7b").get_config(), 1048576, 1,
+                            mesh, "full")
+    config.model.sliding_window = 4096
+    proj = step_time.project(config, mesh, 1, HARDWARE["h100"], ["contiguous", "striped"], "full")
+    c, s = proj["layouts"]["contiguous"], proj["layouts"]["striped"]
+    shape = step_time.shape_of(config, mesh, 1)
+    from parallel.schedule import work
+    w = work("contiguous", 1048576, 64, shape.block_q, block_kv=shape.block_kv, window=4096)
+    assert w.hops == 2 and not w.tiles[2:].any()
+    want = step_time.ring_layer_time(w.tiles[:2], shape, HARDWARE["h100"],
+                                     proj["ring_bandwidth_bytes_s"], "full")
+    assert c["ring"] == want
+    assert s["attention_s"] > 10 * c["attention_s"]
+    st = step_time.project_strategies(config, mesh, 1, HARDWARE["h100"], ["contiguous"], "full",
+                                      impls=("ring",))["strategies"]
+    assert st["ring contiguous"]["attention_s"] == pytest.approx(c["attention_s"])
