@@ -149,7 +149,9 @@ def measure(args) -> list[dict]:
                     run["tiles"].append(tile_critical_path(run, layout, row, args, devices, impl))
                 run["losses"].append(loss)
         m = base.model
-        share = attention_flops_per_token(m, seq_len) / flops_per_token(m, seq_len)
+        window = args.window or None  # --window overrides the config's model.sliding_window
+        share = (attention_flops_per_token(m, seq_len, window=window)
+                 / flops_per_token(m, seq_len, window=window))
         ref = runs[("ring", "contiguous") if ("ring", "contiguous") in runs else keys[0]]
         for impl, layout in keys:
             run = runs[impl, layout]

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from parallel.layouts import permutation
+from model import flops
 from planning import cli, collectives, step_time
 from planning.hardware import HARDWARE
 from planning.plan import make_plan
@@ -27,6 +28,21 @@ def test_attention_flops_per_token_causal_is_half():
                      compile_program=False)
     assert plan["params"] == 1_244_227_584  # tests/test_params.py checks it against the decoder
     assert plan["flops_per_token"]["attention"] * 2 == plan["flops_per_token"]["attention_noncausal"]
+
+
+def test_attention_flops_with_a_window_count_the_band():
+    """W = L/4 on 32k tokens: the queries see min(p + 1, W) keys, W - W^2/2L = 7/32 L on
+    average (the causal count's L/2 at W = L); the model and planner read model.sliding_window."""
+    config = importlib.import_module("configs.llama_1b").get_config()
+    m, length = config.model, 32768
+    full = flops.attention_flops_per_token(m, length)
+    m.sliding_window = length // 4
+    assert flops.attention_flops_per_token(m, length) == pytest.approx(full * 7 / 16)
+    assert flops.attention_flops_per_token(m, length, window=length) == full
+    assert flops.attention_flops_per_token(m, length, causal=False) == 2 * full
+    plan = make_plan(config, {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, length, 1, "h100",
+                     compile_program=False)
+    assert plan["flops_per_token"]["attention"] == pytest.approx(full * 7 / 16)
 
 
 def _rss(key):
