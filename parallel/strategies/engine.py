@@ -4,7 +4,9 @@ ring rounds, and the compiled (jit + shard_map) programs of the forward and the 
 Forward: the next block's transfer is issued before the current block's compute (independent
 of it, so XLA can overlap them); the last round sends nothing. Backward: dQ accumulates
 locally; each block's dK/dV accumulator travels one hop behind the K/V prefetch and arrives
-home after ``hops`` hops. One round (``hops == 1``: allgather, ulysses) moves nothing.
+home after ``hops`` hops. One round (``hops == 1``: allgather, ulysses) moves nothing. A
+sliding window in the contiguous layout leaves work in only the first ``rounds`` rounds: the
+ring stops after them and each dK/dV accumulator jumps home in one transfer.
 """
 from __future__ import annotations
 
