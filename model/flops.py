@@ -34,14 +34,20 @@ def matmul_params(m) -> int:
             - m.num_layers * _qkv_biases(m))
 
 
-def attention_flops_per_token(m, seq_len: int, causal: bool = True) -> float:
+def attention_flops_per_token(m, seq_len: int, causal: bool = True, window=None) -> float:
     """Training FLOPs per token of QK^T and PV: fwd 4*L*Hq*hd per layer, x3 for fwd+bwd.
 
-    The causal mask halves the useful work (counted as L/2 keys per query on average)."""
+    The causal mask halves the useful work (counted as L/2 keys per query on average). A
+    sliding window W < L (``window``; None: the model's ``sliding_window``) leaves each query
+    min(p + 1, W) keys: W - W^2 / 2L on average in the same count (L/2 again at W = L)."""
+    window = int(m.get("sliding_window", 0)) if window is None else window
     keys = seq_len / 2 if causal else seq_len
+    if causal and 0 < window < seq_len:
+        keys = window - window * window / (2 * seq_len)
     return 3 * 4 * m.num_layers * keys * m.num_heads * head_dim(m)
 
 
-def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
-    """Model FLOPs per trained token: 6 N (matmul params) plus attention, with the causal half."""
-    return 6 * matmul_params(m) + attention_flops_per_token(m, seq_len, causal)
+def flops_per_token(m, seq_len: int, causal: bool = True, window=None) -> float:
+    """Model FLOPs per trained token: 6 N (matmul params) plus attention, with the causal half
+    (and the model's sliding window)."""
+    return 6 * matmul_params(m) + attention_flops_per_token(m, seq_len, causal, window)

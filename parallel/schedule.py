@@ -2,8 +2,9 @@
 
 Uses the kernel's own tile predicate (``parallel.kernels.predicate.tile_case``) on the true positions
 each device holds, so these counts are exactly the (q tile, kv tile) pairs the kernel computes
-for causal attention, with or without the packed-document mask. A ring round takes as long as
-its busiest device, so the critical path is the sum over rounds of the per-round maximum.
+for causal attention, with or without the packed-document mask and a sliding window. A ring
+round takes as long as its busiest device, so the critical path is the sum over rounds of the
+per-round maximum.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from parallel.kernels.predicate import FULL, MASKED, SKIP, tile_case
 from parallel.layouts import check, permutation
+from parallel.window import reach
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +26,7 @@ class Work:
     stripe: int
     tiles: np.ndarray  # [rounds, devices] tile pairs computed (masked or not)
     masked: np.ndarray  # [rounds, devices] of which computed with the mask
+    window: int = 0  # sliding window W (0: full causal attention)
 
     @property
     def tiles_per_chunk(self) -> int:
@@ -46,6 +49,15 @@ class Work:
         return float(strategy_rounds(self.tiles, impl, ulysses).sum())
 
     @property
+    def hops(self) -> int:
+        """Rounds the ring runs: all N, or with a window in the contiguous layout only those it
+        reaches (``parallel/window.py``; the rounds after it hold no tile: asserted)."""
+        n = self.num_shards
+        run = reach(self.window, self.layout, self.seq_len // n, n)
+        assert not self.tiles[run:].any(), "a round the early-stopping ring drops has work"
+        return run
+
+    @property
     def total(self) -> int:
         return int(self.tiles.sum())
 
@@ -56,9 +68,10 @@ class Work:
 
 
 def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1,
-         segment_ids=None, block_kv: int | None = None) -> Work:
+         segment_ids=None, block_kv: int | None = None, window: int = 0) -> Work:
     """Per-device, per-round tile counts of causal ring attention with square tiles of ``block``
-    (rectangular ``block`` x ``block_kv`` tiles when ``block_kv`` is given: q x kv).
+    (rectangular ``block`` x ``block_kv`` tiles when ``block_kv`` is given: q x kv), with a
+    sliding ``window`` W when > 0 (keys ``p - W < k_pos <= p``).
 
     Round ``r``: device ``d`` holds its own queries and the K/V block of device ``d - r mod N``.
     ``segment_ids [B, L]`` (natural order, as packed) restrict attention to each document, as
@@ -79,12 +92,13 @@ def work(layout: str, seq_len: int, num_shards: int, block: int, stripe: int = 1
     src = (d[None, :] - d[:, None]) % n  # [round, device] -> device whose K/V block it holds
     seg = () if segment_ids is None else _segment_ranges(segment_ids, perm, src, n, block, block_kv)
     case = tile_case(lo[None, :, :, None], hi[None, :, :, None],
-                     klo[src][:, :, None, :], khi[src][:, :, None, :], *seg, causal=True)
+                     klo[src][:, :, None, :], khi[src][:, :, None, :], *seg, causal=True,
+                     window=window)
     if case.ndim == 5:  # [row, round, device, q tile, kv tile]: combine the rows
         case = np.where((case == SKIP).all(0), SKIP, np.where((case == FULL).all(0), FULL, MASKED))
     tiles = (case != SKIP).sum(axis=(-2, -1))
     masked = (case == MASKED).sum(axis=(-2, -1))
-    return Work(layout, seq_len, n, block, stripe, tiles, masked)
+    return Work(layout, seq_len, n, block, stripe, tiles, masked, window)
 
 
 def strategy_rounds(tiles: np.ndarray, impl: str = "ring", ulysses: int = 1) -> np.ndarray:

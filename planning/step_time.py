@@ -35,6 +35,7 @@ import numpy as np
 from model.flops import flops_per_token, head_dim, matmul_params
 from parallel.schedule import strategy_rounds, work
 from parallel.strategies import IMPLS
+from parallel.window import reach
 from planning import collectives as coll
 from planning.hardware import Hardware, link_bandwidth
 
@@ -130,12 +131,16 @@ def _a2a_bytes(s: Shape, u: int) -> tuple[float, float]:
 
 
 def strategy_layer_time(impl: str, tiles: np.ndarray, s: Shape, hw: Hardware, remat: str,
-                        mesh_sizes: dict, ulysses: int = 1) -> dict:
+                        mesh_sizes: dict, ulysses: int = 1, rounds_run: int = 0) -> dict:
     """Seconds of one layer's attention with ``impl`` (ring | allgather | ulysses | usp),
-    from the ring's ``tiles [rounds, devices]``. Adds the collective time and the links used."""
+    from the ring's ``tiles [rounds, devices]``. Adds the collective time and the links used.
+    ``rounds_run``: the ring rounds (usp: across the groups) that run, when a sliding window
+    stops the ring early (``parallel/window.py``; the later ones have no tile); 0: all."""
     n = s.ring
     u = n if impl == "ulysses" else (ulysses if impl == "usp" else 1)
     busiest = strategy_rounds(tiles, impl, u)
+    if rounds_run and impl in ("ring", "usp"):
+        busiest = busiest[:rounds_run]
     pair = s.block_q * s.block_kv * s.head_dim * s.q_heads * s.rows
     passes = 2 if remat in RECOMPUTES_ATTENTION else 1
     seq_bw = link_bandwidth(hw, axis_crosses_nodes(mesh_sizes, "sequence", hw))
@@ -257,11 +262,13 @@ def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, r
     dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes)
     tokens = global_rows * config.data.seq_len
     model_flops = flops_per_token(m, config.data.seq_len) * tokens
+    window = int(m.get("sliding_window", 0))
     out = {}
     for layout in layouts:
         stripe = config.attention.stripe if layout == "striped" else 1
-        tiles = work(layout, config.data.seq_len, s.ring, s.block_q, stripe,
-                     block_kv=s.block_kv).tiles
+        w = work(layout, config.data.seq_len, s.ring, s.block_q, stripe, block_kv=s.block_kv,
+                 window=window)
+        tiles = w.tiles[:w.hops]  # a window stops the contiguous ring after the rounds it reaches
         ring = ring_layer_time(tiles, s, hw, ring_bw, remat)
         step = m.num_layers * ring["total_s"] + dense["total_s"]
         out[layout] = {
@@ -291,6 +298,7 @@ def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware,
     dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes)
     tokens = global_rows * config.data.seq_len
     model_flops = flops_per_token(m, config.data.seq_len) * tokens
+    window = int(m.get("sliding_window", 0))
     degrees = valid_ulysses(config, mesh_sizes)
     candidates, invalid = [], []
     for impl in impls:
@@ -307,10 +315,11 @@ def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware,
     for layout in layouts:
         stripe = config.attention.stripe if layout == "striped" else 1
         tiles = work(layout, config.data.seq_len, s.ring, s.block_q, stripe,
-                     block_kv=s.block_kv).tiles
+                     block_kv=s.block_kv, window=window).tiles
         for impl, u in candidates:
             name = f"usp(U={u})" if impl == "usp" else impl
-            t = strategy_layer_time(impl, tiles, s, hw, remat, mesh_sizes, u)
+            run = reach(window, layout, u * s.chunk, s.ring // u)
+            t = strategy_layer_time(impl, tiles, s, hw, remat, mesh_sizes, u, run)
             step = m.num_layers * t["total_s"] + dense["total_s"]
             out[f"{name} {layout}"] = {
                 "impl": impl, "ulysses": u, "layout": layout, "projected_step_s": step,

@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block", type=int, default=128, help="block_q = block_kv tile size")
     p.add_argument("--stripe", type=int, default=1)
+    p.add_argument("--window", type=int, default=0,
+                   help="sliding window W (0: full causal): a query at p sees p - W < k <= p")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--mode", default="fwd+bwd", choices=("fwd+bwd", "fwd"))
     p.add_argument("--repeats", type=int, default=5)
@@ -100,7 +102,7 @@ def run(args):
         def loss(q, k, v, dout):
             out = context_parallel_attention(q, k, v, mesh=mesh, layout=layout, stripe=args.stripe,
                                              block_q=args.block, block_kv=args.block, impl=impl,
-                                             ulysses=args.ulysses)
+                                             ulysses=args.ulysses, window=args.window)
             return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
         return jax.jit(loss if args.mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2)))
 
@@ -139,8 +141,9 @@ def run(args):
     platform = devices[0].platform
     print(f"\n{args.mode} of context_parallel_attention: {platform} x {n} devices in "
           f"{max(args.processes, 1)} process(es), batch {b}, seq_len {length}, heads {args.heads}/"
-          f"{args.kv_heads}, head_dim {args.head_dim}, tile {args.block}, {args.dtype}; "
-          f"median of {args.repeats} (warm-up + compile {warm_s:.1f} s excluded)\n")
+          f"{args.kv_heads}, head_dim {args.head_dim}, tile {args.block}, {args.dtype}"
+          + (f", sliding window {args.window}" if args.window else "")
+          + f"; median of {args.repeats} (warm-up + compile {warm_s:.1f} s excluded)\n")
     print("| layout | devices | seq_len | median s | min s | speedup vs contiguous |")
     print("|---|---|---|---|---|---|")
     for r in rows:

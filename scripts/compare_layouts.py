@@ -13,6 +13,8 @@ OUT/results.md and OUT/throughput.png.
 Attention is causal over whole packed rows by default, as in the paper; --document-mask on keeps
 it within each packed document, where the work of a step depends on its document boundaries
 (the "tile model" column then shows what that batch's schedule allows each layout to gain).
+--window W gives the model a sliding window (model.sliding_window): the contiguous ring then
+stops after the hops the window reaches, striped and zigzag keep all N (docs/layouts.md).
 --processes P runs one process per CPU core over gloo (a round waits for the busiest device, as
 on a GPU ring); --processes 1 --devices N simulates N devices in one process (total-work view);
 on a GPU/TPU host use --processes 1 and the real devices.
@@ -51,6 +53,8 @@ def parse_args(argv=None):
                    help="off (the paper's setup): causal over whole packed rows, so every step "
                         "costs the same; on: attention stays within each packed document, and "
                         "the work of a step depends on where its documents start")
+    p.add_argument("--window", type=int, default=0,
+                   help="sliding window W (model.sliding_window; 0: the config's, else full)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="config override, e.g. --set model.num_layers=4 (repeatable)")
     p.add_argument("--out", default="runs/compare")
@@ -75,6 +79,8 @@ def layout_config(base, layout: str, seq_len: int, devices: int, args, impl: str
                        ulysses=args.ulysses)
     c.attention.block_q = c.attention.block_kv = tile(seq_len // devices, args.block)
     c.mesh.update(data=1, fsdp=1, sequence=devices, tensor=1)
+    if args.window:
+        c.model.sliding_window = args.window
     # Batches are fetched outside the timed region; a prefetch thread would only steal the
     # pinned core from the step being timed (seen: it made the layouts' medians erratic).
     c.data.update(seq_len=seq_len, batch_size=args.batch, heldout_fraction=0.01, prefetch=0)
@@ -90,7 +96,7 @@ def tile_critical_path(run: dict, layout: str, row: int, args, devices: int, imp
     seq_len = run["pipe"].seq_len
     seg = run["pipe"].host_batch(row, natural=True)["segment_ids"] if args.document_mask == "on" \
         else None
-    w = work(layout, seq_len, devices, run["block"], segment_ids=seg)
+    w = work(layout, seq_len, devices, run["block"], segment_ids=seg, window=run["window"])
     return w.critical_path if impl == "ring" else w.strategy_critical_path(impl, args.ulysses)
 
 
@@ -126,7 +132,8 @@ def measure(args) -> list[dict]:
             mesh = make_mesh(c.mesh)
             pipe, trainer = make_pipeline(c, mesh), Trainer(c, mesh)
             runs[impl, layout] = {"pipe": pipe, "trainer": trainer, "state": trainer.init(c.train.seed),
-                                  "block": c.attention.block_q, "times": [], "losses": [], "tiles": []}
+                                  "block": c.attention.block_q, "times": [], "losses": [], "tiles": [],
+                                  "window": int(c.model.get("sliding_window", 0))}
         for r in range(args.warmup + args.steps):
             order = keys[r % len(keys):] + keys[:r % len(keys)]
             for impl, layout in order:
@@ -142,7 +149,9 @@ def measure(args) -> list[dict]:
                     run["tiles"].append(tile_critical_path(run, layout, row, args, devices, impl))
                 run["losses"].append(loss)
         m = base.model
-        share = attention_flops_per_token(m, seq_len) / flops_per_token(m, seq_len)
+        window = args.window or None  # --window overrides the config's model.sliding_window
+        share = (attention_flops_per_token(m, seq_len, window=window)
+                 / flops_per_token(m, seq_len, window=window))
         ref = runs[("ring", "contiguous") if ("ring", "contiguous") in runs else keys[0]]
         for impl, layout in keys:
             run = runs[impl, layout]
@@ -150,7 +159,7 @@ def measure(args) -> list[dict]:
             med = statistics.median(run["times"])
             rows.append({"layout": layout, "impl": impl, "seq_len": seq_len,
                          "processes": jax.process_count(),
-                         "devices": devices, "block": run["block"],
+                         "devices": devices, "block": run["block"], "window": run["window"],
                          "median_step_s": med, "tokens_per_s": args.batch * seq_len / med,
                          "speedup_vs_contiguous": paired_speedup(ref["times"], run["times"]),
                          "tile_model_speedup": paired_speedup(ref["tiles"], run["tiles"]),
@@ -182,6 +191,8 @@ def write_report(rows: list[dict], out: pathlib.Path, devices: int):
                      f"{100 * r['attention_flop_share']:.0f}% | {r['final_loss']:.4f} |")
     ideal = 2 * devices / (devices + 1)
     mask = "within each packed document" if rows[0]["document_mask"] else "causal over whole rows"
+    if rows[0].get("window"):
+        mask += f", sliding window {rows[0]['window']}"
     lines.append(f"\n{rows[0]['processes']} process(es), {devices} devices on the sequence axis, attention "
                  f"{mask}; speedup = median over steps of the ring with the contiguous layout's "
                  f"time / this row's (the first row's when that ring is not run) "

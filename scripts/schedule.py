@@ -2,10 +2,14 @@
 
     python scripts/schedule.py --devices 2,4,8,16,64 [--seq-len 262144 --block 512 --stripe 1]
     python scripts/schedule.py --impls --devices 4 --seq-len 16384 --block 128 [--ulysses 2]
+    python scripts/schedule.py --devices 2,4,8 --seq-len 16384 --block 128 --window 2048
 
 Prints a Markdown table per layout: the critical path (sum over ring rounds of the busiest
 device's tile count), its speedup over contiguous, the issue's ideal 2N/(N+1) and the limit
-(2N-1)/N that tile-level skipping reaches as tiles shrink.
+(2N-1)/N that tile-level skipping reaches as tiles shrink. With ``--window W`` (a sliding
+window, Mistral's convention) also the ring's hops: the contiguous ring stops after the rounds
+the window reaches, striped and zigzag keep all N (the ideal and limit columns are for full
+causal attention and are left out).
 
 With ``--impls``: a table per device count of each layout's total tiles (the work every
 strategy does) and the critical path of each context-parallel strategy (ring, allgather,
@@ -73,7 +77,11 @@ def main(argv=None):
                    help="instead of the layout tables: total tiles and each strategy's critical "
                         f"path (comma list of {', '.join(IMPLS)}; all when given alone)")
     p.add_argument("--ulysses", type=int, default=2, help="--impls: usp's Ulysses degree U")
+    p.add_argument("--window", type=int, default=0,
+                   help="sliding window W (0: full causal attention): keys p - W < k <= p")
     args = p.parse_args(argv)
+    if args.window < 0:
+        p.error(f"--window {args.window}: must be >= 0 (0: full causal attention)")
     devices = [int(x) for x in args.devices.split(",") if x]
     layouts = [x for x in args.layouts.split(",") if x]
     if args.impls:
@@ -82,20 +90,30 @@ def main(argv=None):
         if bad:
             p.error(f"--impls {','.join(bad)}: choose from {','.join(IMPLS)}")
         return print_impls(args, devices, layouts, impls)
-    results = {(lay, n): work(lay, args.seq_len, n, args.block, args.stripe if lay == "striped" else 1)
+    results = {(lay, n): work(lay, args.seq_len, n, args.block, args.stripe if lay == "striped" else 1,
+                              window=args.window)
                for lay in set(layouts) | {"contiguous"} for n in devices}
     print(f"seq_len {args.seq_len}, tile {args.block}x{args.block}"
-          + (f", stripe {args.stripe}" if "striped" in layouts else "") + "; critical path in tiles\n")
+          + (f", stripe {args.stripe}" if "striped" in layouts else "")
+          + (f", sliding window {args.window}" if args.window else "") + "; critical path in tiles\n")
     for lay in layouts:
         print(f"### {lay}\n")
-        print("| devices | tiles per chunk | critical path | balance | speedup vs contiguous "
-              "| ideal 2N/(N+1) | tile limit (2N-1)/N |")
-        print("|---|---|---|---|---|---|---|")
+        if args.window:
+            print("| devices | tiles per chunk | critical path | balance | speedup vs contiguous "
+                  "| ring hops |")
+            print("|---|---|---|---|---|---|")
+        else:
+            print("| devices | tiles per chunk | critical path | balance | speedup vs contiguous "
+                  "| ideal 2N/(N+1) | tile limit (2N-1)/N |")
+            print("|---|---|---|---|---|---|---|")
         for n in devices:
             w, base = results[(lay, n)], results[("contiguous", n)]
-            print(f"| {n} | {w.tiles_per_chunk} | {w.critical_path} | {w.balance:.2f} "
-                  f"| {base.critical_path / w.critical_path:.3f} | {ideal_speedup(n):.3f} "
-                  f"| {tile_limit_speedup(n):.3f} |")
+            row = (f"| {n} | {w.tiles_per_chunk} | {w.critical_path} | {w.balance:.2f} "
+                   f"| {base.critical_path / w.critical_path:.3f} ")
+            if args.window:
+                print(row + f"| {w.hops} of {n} |")
+            else:
+                print(row + f"| {ideal_speedup(n):.3f} | {tile_limit_speedup(n):.3f} |")
         print()
 
 

@@ -117,8 +117,10 @@ def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_pa
     assert losses(workdir) == losses(tmp_path / "uninterrupted")
 
 
-@pytest.mark.parametrize("mask", ["off", "on"])
-def test_compare_layouts_writes_all_layouts(tmp_path, mask):
+@pytest.mark.parametrize("mask,window", [("off", 40), ("on", 0)])
+def test_compare_layouts_writes_all_layouts(tmp_path, mask, window):
+    """Off: whole rows with a sliding window (the contiguous ring stops after 2 of 4 hops);
+    on: the document mask."""
     out = tmp_path / "cmp"
     # Short documents (a few per 256-token row), so that the document mask changes the work.
     rng = np.random.default_rng()
@@ -128,7 +130,7 @@ def test_compare_layouts_writes_all_layouts(tmp_path, mask):
                             + "\n" for _ in range(300)))
     cmd = [sys.executable, "scripts/compare_layouts.py", "--processes", "1", "--devices", "4",
            "--seq-lens", "256", "--steps", "2", "--warmup", "1", "--out", str(out),
-           "--block", "16", "--document-mask", mask,
+           "--block", "16", "--document-mask", mask, "--window", str(window),
            "--set", "data.source=jsonl", "--set", f"data.path={docs}",
            "--set", "model.vocab_size=512", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
     impls = ["ring", "usp"] if mask == "off" else ["ring"]  # usp: 2 groups of 2 (ulysses 2)
@@ -149,9 +151,11 @@ def test_compare_layouts_writes_all_layouts(tmp_path, mask):
     assert [r["speedup_vs_contiguous"] for r in rows
             if r["layout"] == "contiguous" and r["impl"] == "ring"] == [1.0]
     assert all(r["document_mask"] == (mask == "on") and r["block"] == 16 for r in rows)
+    assert all(r["window"] == window for r in rows)
     tile_model = {(r["impl"], r["layout"]): r["tile_model_speedup"] for r in rows}
     if mask == "off":  # every step has the same schedule: exactly the closed-form ratio
-        cp = {(i, lay): work(lay, 256, 4, 16).strategy_critical_path(i, 2) for i, lay in tile_model}
+        cp = {(i, lay): work(lay, 256, 4, 16, window=window).strategy_critical_path(i, 2)
+              for i, lay in tile_model}
         assert tile_model == {key: cp["ring", "contiguous"] / cp[key] for key in tile_model}
     else:  # each step's own document boundaries remove tiles
         for r in rows:

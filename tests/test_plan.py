@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from parallel.layouts import permutation
+from model import flops
 from planning import cli, collectives, step_time
 from planning.hardware import HARDWARE
 from planning.plan import make_plan
@@ -27,6 +28,21 @@ def test_attention_flops_per_token_causal_is_half():
                      compile_program=False)
     assert plan["params"] == 1_244_227_584  # tests/test_params.py checks it against the decoder
     assert plan["flops_per_token"]["attention"] * 2 == plan["flops_per_token"]["attention_noncausal"]
+
+
+def test_attention_flops_with_a_window_count_the_band():
+    """W = L/4 on 32k tokens: the queries see min(p + 1, W) keys, W - W^2/2L = 7/32 L on
+    average (the causal count's L/2 at W = L); the model and planner read model.sliding_window."""
+    config = importlib.import_module("configs.llama_1b").get_config()
+    m, length = config.model, 32768
+    full = flops.attention_flops_per_token(m, length)
+    m.sliding_window = length // 4
+    assert flops.attention_flops_per_token(m, length) == pytest.approx(full * 7 / 16)
+    assert flops.attention_flops_per_token(m, length, window=length) == full
+    assert flops.attention_flops_per_token(m, length, causal=False) == 2 * full
+    plan = make_plan(config, {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, length, 1, "h100",
+                     compile_program=False)
+    assert plan["flops_per_token"]["attention"] == pytest.approx(full * 7 / 16)
 
 
 def _rss(key):
@@ -347,3 +363,27 @@ def test_gqa_keeps_llama3_8b_ring_across_nodes_compute_bound():
     ring = st["ring zigzag"]
     assert proj["fastest"] == "ring zigzag" and ring["links"] == "ring 50 GB/s"
     assert ring["collective_s"] < 0.01 * ring["attention_s"] and 0.64 < ring["mfu_bound"] < 0.69
+
+
+def test_a_window_stops_the_planned_contiguous_ring():
+    """7B at 1M tokens on a 64-device ring across nodes with model.sliding_window = 4096 (a
+    chunk is 16,384): the contiguous ring runs 2 rounds, so its attention is 2 rounds' worth,
+    where striped and zigzag still wait for the links 64 times; the same through the
+    strategies' projection."""
+    mesh = {"data": 1, "fsdp": 1, "sequence": 64, "tensor": 1}
+    config = planned_config(importlib.import_module("configs.llama_7b").get_config(), 1048576, 1,
+                            mesh, "full")
+    config.model.sliding_window = 4096
+    proj = step_time.project(config, mesh, 1, HARDWARE["h100"], ["contiguous", "striped"], "full")
+    c, s = proj["layouts"]["contiguous"], proj["layouts"]["striped"]
+    shape = step_time.shape_of(config, mesh, 1)
+    from parallel.schedule import work
+    w = work("contiguous", 1048576, 64, shape.block_q, block_kv=shape.block_kv, window=4096)
+    assert w.hops == 2 and not w.tiles[2:].any()
+    want = step_time.ring_layer_time(w.tiles[:2], shape, HARDWARE["h100"],
+                                     proj["ring_bandwidth_bytes_s"], "full")
+    assert c["ring"] == want
+    assert s["attention_s"] > 10 * c["attention_s"]
+    st = step_time.project_strategies(config, mesh, 1, HARDWARE["h100"], ["contiguous"], "full",
+                                      impls=("ring",))["strategies"]
+    assert st["ring contiguous"]["attention_s"] == pytest.approx(c["attention_s"])

@@ -183,3 +183,25 @@ def test_strategy_critical_paths(layout):
     assert w.strategy_critical_path("usp", 2) == want
     with pytest.raises(ValueError, match="ulysses degree 3 does not divide 8 shards"):
         w.strategy_critical_path("usp", 3)
+
+
+@pytest.mark.parametrize("layout,exact", [("contiguous", True), ("zigzag", True),
+                                          ("striped", False)])
+def test_window_counts_equal_brute_force(layout, exact):
+    """With a sliding window, per device and round: tiles computed = tile pairs with a visible
+    (query, key) pair from predicate.visible (tiles of consecutive positions; a striped tile
+    spans N positions per token and can straddle the band: there only >=). The contiguous
+    ring's hops are 1 + its last round with work; the others keep every round."""
+    n, block, seq_len = 4, 2, 64
+    c = seq_len // n
+    perm = permutation(layout, seq_len, n)
+    for window in (1, 3, 7, c, c + 5, 3 * c + 1):
+        w = work(layout, seq_len, n, block, window=window)
+        for r in range(n):
+            for d in range(n):
+                q_pos, k_pos = perm[d * c:(d + 1) * c], perm[((d - r) % n) * c:][:c]
+                vis = predicate.visible(q_pos, k_pos, window=window)
+                some = vis.reshape(c // block, block, c // block, block).any((1, 3)).sum()
+                assert w.tiles[r, d] == some if exact else w.tiles[r, d] >= some
+        last = max(r for r in range(n) if w.tiles[r].any())
+        assert w.hops == (last + 1 if layout == "contiguous" else n)

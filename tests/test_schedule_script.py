@@ -38,3 +38,15 @@ def test_impls_rejects_an_unknown_strategy(capsys):
     with pytest.raises(SystemExit) as e:
         _script().main(["--impls", "ring,rng", "--devices", "4", "--seq-len", "1024"])
     assert e.value.code == 2 and "--impls rng" in capsys.readouterr().err
+
+
+def test_window_rows(capsys):
+    """--window 2048 on 4 devices, 16k, tile 128 (C = 4096, 32 tiles a chunk, the band 16
+    tiles deep): a contiguous device computes sum(min(i, 16) + 1) = 408 tiles of its own chunk
+    and 16 + 15 + ... + 1 = 136 of the previous one, then stops: 2 of 4 hops, 544 on the
+    critical path. Striped keeps all 4 rounds, and its strided tiles cover more of the band."""
+    _script().main(["--devices", "4", "--seq-len", "16384", "--block", "128", "--window", "2048",
+                    "--layouts", "contiguous,striped"])
+    out = capsys.readouterr().out.splitlines()
+    assert "| 4 | 32 | 544 | 0.94 | 1.000 | 2 of 4 |" in out
+    assert "| 4 | 32 | 600 | 1.00 | 0.907 | 4 of 4 |" in out
