@@ -32,6 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
     s.attention_factor = 0.0  # yarn: cos/sin scale; 0 means 0.1 * ln(factor) + 1
     s.truncate = True  # yarn: round the ramp's ends to whole dimensions
     m.qkv_bias = False  # biases on the q, k and v projections, none on o (Qwen2 / Qwen2.5)
+    # Sliding-window attention (Mistral's convention): a query at position p sees keys with
+    # p - W < k_pos <= p; 0 = full causal attention. In the contiguous layout the ring stops
+    # after the rounds the window reaches (docs/layouts.md: which layout wins with a window).
+    m.sliding_window = 0
     m.tie_embeddings = False  # the output head is the embedding table (as in TinyLlama-like HF models)
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))

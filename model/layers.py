@@ -68,7 +68,8 @@ class AttentionBackend:
         shards = self.mesh.shape["sequence"] if self.mesh is not None else 1
         return jnp.asarray(permutation(self.layout, seq_len, shards, self.stripe))
 
-    def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL):
+    def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, window=0):
+        """``window``: the model's sliding window W (0: full causal attention)."""
         if not self.document_mask:
             segment_ids_BL = None
         if self.impl != "dense" or self._fused_dense():
@@ -78,12 +79,12 @@ class AttentionBackend:
                 layout=self.layout, positions=None, segment_ids=segment_ids_BL,
                 stripe=self.stripe, block_q=self.block_q, block_kv=self.block_kv,
                 kernel=self.kernel, impl="ring" if self.impl == "dense" else self.impl,
-                ulysses=self.ulysses)
+                ulysses=self.ulysses, window=window)
         from parallel.kernels.xla import dense_attention
         B, L = q_BLHD.shape[:2]
         index_BL = jnp.broadcast_to(self.natural_index(L), (B, L))
         return dense_attention(q_BLHD, k_BLKD, v_BLKD, positions=index_BL,
-                               segment_ids=segment_ids_BL)
+                               segment_ids=segment_ids_BL, window=window)
 
 
     def _fused_dense(self) -> bool:
@@ -115,6 +116,9 @@ class Attention(nnx.Module):
         else:
             self.bq = self.bk = self.bv = None
         self.rope, self.backend, self.dtype = rope_from_config(m), backend, dtype
+        # a model property (every backend, generate.py's dense one too, reads it from here);
+        # configs saved before the field existed have none: full attention
+        self.window = int(m.get("sliding_window", 0))
 
     def _project(self, x_BLD, w_DHK, b_HK):
         y_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK[...].astype(self.dtype))
@@ -124,7 +128,7 @@ class Attention(nnx.Module):
         q_BLHD = self.rope(self._project(x_BLD, self.wq, self.bq), positions_BL)  # bias before RoPE
         k_BLKD = self.rope(self._project(x_BLD, self.wk, self.bk), positions_BL)
         v_BLKD = self._project(x_BLD, self.wv, self.bv)
-        o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL)
+        o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, self.window)
         return jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype), self.wo[...].astype(self.dtype))
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from parallel import kernels
+from parallel import kernels, window as sliding
 from parallel.kernels import tiling
 from parallel.layouts import check as check_layout
 from parallel.layouts import permutation
@@ -50,7 +50,7 @@ def _mesh_axes(mesh, axis, batch, heads_q, heads_kv):
 
 def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment_ids=None,
                                axis="sequence", causal=True, stripe=1, block_q=None, block_kv=None,
-                               kernel="auto", impl="ring", ulysses=None):
+                               kernel="auto", impl="ring", ulysses=None, window=0):
     """Exact attention with L split over ``mesh[axis]``, in any token layout.
 
     q ``[B, L, Hq, D]``, k/v ``[B, L, Hkv, D]`` in layout order along L; ``positions [B, L]``
@@ -63,7 +63,12 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     default). ``kernel``: ``auto | xla | pallas_gpu | pallas_tpu`` (``parallel/kernels``).
     ``impl``: ``ring | allgather | ulysses | usp``; ``ulysses`` is usp's all-to-all degree U
     (it must divide the axis size and the local query and kv head counts; ulysses uses U = N).
+    ``window``: a sliding window W (causal only; 0: none): a query at position p sees keys with
+    ``p - W < k_pos <= p``. With the contiguous layout's own positions (``positions=None``) a
+    ring then stops after the rounds the window reaches (``parallel/window.py``); explicit
+    positions keep every round, since nothing bounds how far back they reach.
     """
+    window = sliding.check(window, causal)
     if impl not in IMPLS:
         raise ValueError(f"unknown context-parallel impl {impl!r}; valid: {', '.join(IMPLS)}")
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
@@ -91,8 +96,13 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
                         interpret=interpret,
                         arch=tiling.device_arch(kernel, kernels.first_device(mesh)))
     block_q, block_kv = tiles[0][:2]
+    # Rounds of the ring that can have work; 0 (every hop) unless the window stops it early, so
+    # that programs differing only in that share one compilation.
+    rounds = 0
+    if impl in ("ring", "usp") and positions is None:
+        rounds = sliding.reach(window, layout, u * chunk, n // u) % (n // u)
     call = Call(mesh, axis, batch_axes, head_axis, bool(causal), block_q, block_kv,
-                1.0 / math.sqrt(d), kernel, interpret, impl, u, tiles)
+                1.0 / math.sqrt(d), kernel, interpret, impl, u, tiles, window, rounds)
     if positions is None:
         positions = jnp.broadcast_to(jnp.asarray(permutation(layout, length, n, stripe)), (b, length))
     elif positions.shape != (b, length):

@@ -20,8 +20,9 @@ def ring_mesh(n, axis_types=AxisType.Auto):
 # ----------------------------------------------------------------------------- reference
 
 
-def reference(q, k, v, dout, positions, segment_ids, causal=True):
-    """float64 attention and its gradients (w.r.t. q, k, v for the cotangent ``dout``).
+def reference(q, k, v, dout, positions, segment_ids, causal=True, window=0):
+    """float64 attention and its gradients (w.r.t. q, k, v for the cotangent ``dout``);
+    ``window`` W > 0: a query at p also needs ``k_pos > p - W`` (Mistral's sliding window).
 
     Written independently of the code under test: K/V are repeated per query head group.
     """
@@ -33,6 +34,8 @@ def reference(q, k, v, dout, positions, segment_ids, causal=True):
     mask = np.ones((q.shape[0], q.shape[1], q.shape[1]), bool)
     if causal:
         mask &= positions[:, None, :] <= positions[:, :, None]
+    if window:
+        mask &= positions[:, None, :] > positions[:, :, None] - window
     if segment_ids is not None:
         mask &= segment_ids[:, None, :] == segment_ids[:, :, None]
     mask = mask[:, None]  # [B, 1, Lq, Lk]
@@ -112,7 +115,7 @@ def run_all_layouts(rng, n, heads, mask, impl="ring", dtype=jnp.float32, tol=1e-
     if mask == "mixed":  # the last row one document: its tiles need no mask
         seg[-1] = 0
     pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    want = reference(q, k, v, dout, pos, seg, causal)
+    want = reference(q, k, v, dout, pos, seg, causal, kw.get("window", 0))
     for layout, stripe in layouts:
         got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
                            segment_ids=seg, dtype=dtype, impl=impl, causal=causal, **kw)

@@ -173,3 +173,52 @@ def test_every_context_parallel_impl_gives_the_dense_logits(impl, sequence):
     want = np.asarray(natural(tok, pos, seg))[:, perm]
     got = np.asarray(laid(tok[:, perm], pos[:, perm], seg[:, perm]))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def windowed_config(window):
+    c = small_config()
+    c.model.sliding_window = window
+    return c
+
+
+def test_sliding_window_attention_matches_float64(rng):
+    """model.sliding_window reaches the attention: one layer's output against float64
+    attention with the window (helpers.reference), GQA and packed documents."""
+    import math
+    from helpers import random_segments, reference
+    from model.layers import Attention
+    w, L = 5, 24
+    m = windowed_config(w).model
+    attn = Attention(m, AttentionBackend(), jnp.float32, nnx.Rngs(int(rng.integers(2**31))))
+    x = jnp.asarray(rng.standard_normal((2, L, m.d_model)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(L), (2, L))
+    seg = random_segments(rng, 2, L)
+    got = np.asarray(attn(x, pos, jnp.asarray(seg)))
+    q = np.asarray(attn.rope(jnp.einsum("bld,dhk->blhk", x, attn.wq[...]), pos))
+    k = np.asarray(attn.rope(jnp.einsum("bld,dhk->blhk", x, attn.wk[...]), pos))
+    v = np.asarray(jnp.einsum("bld,dhk->blhk", x, attn.wv[...]))
+    out = reference(q, k, v, np.ones_like(q), np.asarray(pos), seg, window=w)[0]
+    want = np.einsum("blhk,hkd->bld", out, np.asarray(attn.wo[...], np.float64))
+    assert math.isclose(float(np.abs(got - want).max() / np.abs(want).max()), 0, abs_tol=1e-5)
+
+
+def test_sliding_window_bounds_what_a_token_reaches():
+    """With W and two layers, changing token j moves the logits of j .. j + 2 (W - 1) only:
+    those past it are equal to the bit, dense and on a contiguous ring of 4 that stops early."""
+    w, L, cut = 3, 32, 9
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    dense = make_model(seed=seed, config=windowed_config(w))
+    mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+    ring = make_model(AttentionBackend(impl="ring", layout="contiguous", mesh=mesh, block_q=4,
+                                       block_kv=4), seed=seed, config=windowed_config(w))
+    rng = np.random.default_rng()
+    tok = random_tokens(rng, 2, L)
+    changed = tok.at[:, cut].set((tok[:, cut] + 1 + rng.integers(0, 90)) % 97)
+    pos = jnp.broadcast_to(jnp.arange(L), (2, L))
+    seg = jnp.ones((2, L), jnp.int32)
+    a, b = np.asarray(dense(tok, pos, seg)), np.asarray(dense(changed, pos, seg))
+    reach = cut + 2 * (w - 1)
+    np.testing.assert_array_equal(a[:, :cut], b[:, :cut])
+    np.testing.assert_array_equal(a[:, reach + 1:], b[:, reach + 1:])
+    assert np.abs(a[:, reach] - b[:, reach]).max() > 0  # two hops of W - 1: a small change
+    np.testing.assert_allclose(np.asarray(ring(tok, pos, seg)), a, rtol=1e-5, atol=1e-5)

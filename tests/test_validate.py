@@ -40,6 +40,7 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"train__lr": 0.0}, 8, "train.lr=0.0 must be > 0"),
     ({"train__warmup_steps": -1}, 8, "train.warmup_steps=-1 must be >= 0"),
     ({"model__mlp_chunk": -1}, 8, "model.mlp_chunk=-1 must be >= 0"),
+    ({"model__sliding_window": -4}, 8, "model.sliding_window=-4 must be an int >= 0 (0: full attention; W: a query at position p sees keys p - W < k <= p)"),
     ({"train__loss_chunk": -8}, 8, "train.loss_chunk=-8 must be >= 0"),
     ({"train__microbatches": 3}, 8, "train.microbatches=3 must be >= 1 and divide the rows per data x fsdp group (data.batch_size 8 / 2 = 4); valid: 1, 2, 4"),
     ({"train__microbatches": 0}, 8, "train.microbatches=0 must be >= 1"),

@@ -41,6 +41,10 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(m.dtype in (*DTYPES, "auto"), f"model.dtype={m.dtype!r} is not one of float32, bfloat16, auto")
     _need(m.param_dtype == "float32", f"model.param_dtype={m.param_dtype!r}: only float32 is supported")
     _need(m.mlp_chunk >= 0, f"model.mlp_chunk={m.mlp_chunk} must be >= 0 (tokens per MLP chunk; 0 = whole)")
+    window = m.get("sliding_window", 0)
+    _need(isinstance(window, int) and window >= 0,
+          f"model.sliding_window={window!r} must be an int >= 0 (0: full attention; W: a query "
+          f"at position p sees keys p - W < k <= p)")
     _need(m.remat in REMAT, f"model.remat={m.remat!r} is not one of {', '.join(REMAT)}")
     problem = rope.check(rope.from_config(m))
     _need(problem is None, f"model.{problem}")

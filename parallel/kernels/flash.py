@@ -24,9 +24,12 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def mask(q_pos, k_pos, q_seg, k_seg, causal):
-    """Visibility ``[R, bk]`` from ``q_pos [R, 1]``, ``k_pos [1, bk]`` (segment ids alike or None)."""
+def mask(q_pos, k_pos, q_seg, k_seg, causal, window=0):
+    """Visibility ``[R, bk]`` from ``q_pos [R, 1]``, ``k_pos [1, bk]`` (segment ids alike or None);
+    ``window`` > 0: also ``k_pos > q_pos - window`` (``predicate.visible``'s sliding window)."""
     vis = (k_pos <= q_pos) if causal else None
+    if window:
+        vis = vis & (k_pos > q_pos - window)
     if q_seg is not None:
         same = k_seg == q_seg
         vis = same if vis is None else vis & same

@@ -58,7 +58,7 @@ def prepare(q_BCHD, pos_BC, seg_BC, spec: RoundSpec) -> Query:
 
 def _visits(spec, tile: Tile, query: Query, kv: ac.KV):
     return tables.visits(query.pos, kv.pos, query.seg, kv.seg, block_q=tile.block_q,
-                         block_kv=tile.block_kv, causal=spec.causal)
+                         block_kv=tile.block_kv, causal=spec.causal, window=spec.window)
 
 
 def attend(spec: RoundSpec, query: Query, kv: ac.KV, acc: ac.Acc) -> ac.Acc:

@@ -193,7 +193,7 @@ def _kv_mask(spec: RoundSpec, masked, qp, qs, kp_ref, ks_ref, sl):
     if not masked:
         return None
     ks = ks_ref[sl][None, :] if spec.has_seg else None
-    return flash.mask(qp, kp_ref[sl][None, :], qs, ks, spec.causal)
+    return flash.mask(qp, kp_ref[sl][None, :], qs, ks, spec.causal, spec.window)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -279,7 +279,7 @@ def _dkv_kernel(t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, 
             sl, h = pl.ds(pl.multiple_of((t // g) * bq, bq), bq), t % g
             vis = None if not masked else flash.mask(
                 qp_ref[sl, h][:, None], kp, qs_ref[sl, h][:, None] if spec.has_seg else None, ks,
-                spec.causal)
+                spec.causal, spec.window)
             q, do = q_ref[sl, h, :], do_ref[sl, h, :]
             p = flash.probs(q, k, lse_ref[sl, h][:, None], spec.scale, vis)
             ds = flash.grad_scores(p, do, v, delta_ref[sl, h][:, None])

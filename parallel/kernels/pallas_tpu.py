@@ -73,7 +73,7 @@ def _mask(spec: RoundSpec, masked, qp_ref, kp_ref, qs_ref, ks_ref):
     if not masked:
         return None
     seg = (qs_ref[...], ks_ref[...]) if spec.has_seg else (None, None)
-    return flash.mask(qp_ref[...], kp_ref[...], seg[0], seg[1], spec.causal)
+    return flash.mask(qp_ref[...], kp_ref[...], seg[0], seg[1], spec.causal, spec.window)
 
 
 def _split(refs, has_seg):

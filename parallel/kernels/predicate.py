@@ -13,17 +13,21 @@ SKIP, FULL, MASKED = 0, 1, 2
 
 
 def tile_case(q_min, q_max, k_min, k_max, qs_min=None, qs_max=None, ks_min=None, ks_max=None,
-              *, causal=True):
+              *, causal=True, window=0):
     """Case of one (q tile, kv tile) pair from the ranges of its positions and segment ids.
 
     Works elementwise on numpy or jax arrays (broadcasting). Returns int32 SKIP / FULL / MASKED:
-    skip when every key is in the future (causal) or the segment ranges are disjoint;
-    full (no mask) when every key is visible from every query and both tiles hold one and the
-    same segment; masked otherwise.
+    skip when every key is in the future (causal), every key is older than the sliding
+    ``window`` for every query (``k_pos <= q_pos - window``; 0: no window), or the segment
+    ranges are disjoint; full (no mask) when every key is visible from every query and both
+    tiles hold one and the same segment; masked otherwise.
     """
     never = (q_min != q_min) | (k_min != k_min)  # all False, broadcast to the pair shape
     skip = k_min > q_max if causal else never
     full = k_max <= q_min if causal else ~never
+    if window:
+        skip = skip | (k_max <= q_min - window)
+        full = full & (k_min > q_max - window)
     if qs_min is not None:
         skip = skip | (ks_min > qs_max) | (ks_max < qs_min)
         full = full & (qs_min == qs_max) & (ks_min == ks_max) & (qs_min == ks_min)
@@ -38,7 +42,7 @@ def tile_ranges(x, block):
 
 
 def tile_cases(q_pos, k_pos, q_seg=None, k_seg=None, *, block_q, block_kv, causal=True,
-               per_row=False):
+               window=0, per_row=False):
     """Case table ``[..., nq, nk]`` for all tile pairs of a chunk of queries and one of keys.
 
     ``q_pos [..., Cq]``, ``k_pos [..., Ck]`` (and the segment ids, or None) are true positions;
@@ -55,7 +59,7 @@ def tile_cases(q_pos, k_pos, q_seg=None, k_seg=None, *, block_q, block_kv, causa
         ks_min, ks_max = tile_ranges(k_seg, block_kv)
         seg = (qs_min[..., :, None], qs_max[..., :, None], ks_min[..., None, :], ks_max[..., None, :])
     case = tile_case(q_min[..., :, None], q_max[..., :, None], k_min[..., None, :], k_max[..., None, :],
-                     *seg, causal=causal)
+                     *seg, causal=causal, window=window)
     if case.ndim > 2 and not per_row:
         lead = tuple(range(case.ndim - 2))
         all_skip = xp.all(case == SKIP, axis=lead)
@@ -64,12 +68,16 @@ def tile_cases(q_pos, k_pos, q_seg=None, k_seg=None, *, block_q, block_kv, causa
     return case
 
 
-def visible(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=True):
-    """Elementwise mask ``[..., Cq, Ck]``: key visible from query (same segment, k_pos <= q_pos)."""
+def visible(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=True, window=0):
+    """Elementwise mask ``[..., Cq, Ck]``: key visible from query (same segment, k_pos <= q_pos,
+    and with a sliding ``window`` W > 0 also ``k_pos > q_pos - W``: Mistral's convention, a
+    query sees itself and the W - 1 keys before it)."""
     xp = np if isinstance(q_pos, np.ndarray) and isinstance(k_pos, np.ndarray) else jnp
     mask = xp.ones(q_pos.shape[:-1] + (q_pos.shape[-1], k_pos.shape[-1]), dtype=bool)
     if causal:
         mask = k_pos[..., None, :] <= q_pos[..., :, None]
+    if window:
+        mask = mask & (k_pos[..., None, :] > q_pos[..., :, None] - window)
     if q_seg is not None:
         mask = mask & (k_seg[..., None, :] == q_seg[..., :, None])
     return mask

@@ -28,3 +28,4 @@ class RoundSpec:
     causal: bool
     has_seg: bool
     interpret: bool  # Pallas interpret mode (a CPU, or forced); False for xla
+    window: int = 0  # sliding window W (causal only): keys with q_pos - W < k_pos; 0: none

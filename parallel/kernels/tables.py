@@ -44,9 +44,10 @@ def _ranges(cases):
     return jnp.stack([lo, flo, fhi, hi], -1)
 
 
-def visits(q_pos, k_pos, q_seg=None, k_seg=None, *, block_q, block_kv, causal=True) -> Visits:
+def visits(q_pos, k_pos, q_seg=None, k_seg=None, *, block_q, block_kv, causal=True,
+           window=0) -> Visits:
     """Visit tables of one round: ``q_pos [B, Cq]``, ``k_pos [B, Ck]`` (and segment ids)."""
     cases = predicate.tile_cases(q_pos, k_pos, q_seg, k_seg, block_q=block_q, block_kv=block_kv,
-                                 causal=causal, per_row=True)  # [B, nq, nk]
+                                 causal=causal, window=window, per_row=True)  # [B, nq, nk]
     return Visits(_ranges(cases), _ranges(jnp.swapaxes(cases, -1, -2)),
                   (cases != predicate.SKIP).any())

@@ -48,7 +48,7 @@ def queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS):
 def attend(spec: RoundSpec, query, kv: ac.KV, acc: ac.Acc) -> ac.Acc:
     q_s, pos, seg = query
     return attend_block(q_s, kv, pos, seg, acc, block_q=spec.fwd.block_q,
-                        block_kv=spec.fwd.block_kv, causal=spec.causal)
+                        block_kv=spec.fwd.block_kv, causal=spec.causal, window=spec.window)
 
 
 def grad_queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS, do_BKSGD, lse_BKSG, delta_BKSG):
@@ -60,15 +60,16 @@ def grad_queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS, do_BKSGD, lse_BKSG, de
 def attend_grads(spec: RoundSpec, query, kv: ac.KV, dq_BKSGD):
     q_s, pos, seg, do, lse, delta = query
     return attend_block_bwd(q_s, kv, pos, seg, do, lse, delta, dq_BKSGD, block_q=spec.dq.block_q,
-                            block_kv=spec.dq.block_kv, causal=spec.causal)
+                            block_kv=spec.dq.block_kv, causal=spec.causal, window=spec.window)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 
-def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal):
+def _tile_mask(q_pos, k_pos, q_seg, k_seg, causal, window=0):
     """``[B, 1, bq, 1, bk]`` visibility mask broadcastable against scores ``[B, K, bq, G, bk]``."""
-    return predicate.visible(q_pos, k_pos, q_seg, k_seg, causal=causal)[:, None, :, None, :]
+    return predicate.visible(q_pos, k_pos, q_seg, k_seg, causal=causal,
+                             window=window)[:, None, :, None, :]
 
 
 def _slice(x, start, size, axis):
@@ -90,7 +91,8 @@ def _work_lists(cases, axis):
     return order, jnp.sum(~skip, axis=1, dtype=jnp.int32)
 
 
-def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, block_kv, causal=True):
+def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, block_kv, causal=True,
+                 window=0):
     """Folds one K/V block into the accumulators of a chunk of (already scaled, fp32) queries.
 
     ``q_pos``/``q_seg`` are ``[B, Cq]``; ``kv`` holds ``[B, K, Ck, D]`` keys and values in any
@@ -101,7 +103,7 @@ def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, bloc
     k = kv.k.astype(jnp.float32)
     v = kv.v.astype(jnp.float32)
     cases = predicate.tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv,
-                                 causal=causal)
+                                 causal=causal, window=window)
     order, counts = _work_lists(cases, axis=1)
 
     def q_tile(i, acc):
@@ -122,7 +124,7 @@ def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, bloc
                     s = jnp.einsum("bkqgd,bkmd->bkqgm", q_t, k_t)
                     if masked:
                         mask = _tile_mask(qp_t, _slice(kv.pos, ks, block_kv, 1), qg_t,
-                                          _seg_slice(kv.seg, ks, block_kv), causal)
+                                          _seg_slice(kv.seg, ks, block_kv), causal, window)
                         s = jnp.where(mask, s, -jnp.inf)
                     m_new = jnp.maximum(a.m, s.max(-1))
                     p = jnp.exp(s - m_new[..., None])
@@ -142,7 +144,7 @@ def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, bloc
 
 
 def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta_BKCG, dq_BKCGD,
-                     *, block_q, block_kv, causal=True):
+                     *, block_q, block_kv, causal=True, window=0):
     """Gradient contributions of one K/V block.
 
     ``q`` is the scaled fp32 query chunk, ``do`` the fp32 output cotangent, ``delta`` the
@@ -155,7 +157,7 @@ def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta
     k = kv.k.astype(jnp.float32)
     v = kv.v.astype(jnp.float32)
     cases = predicate.tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv,
-                                 causal=causal)
+                                 causal=causal, window=window)
     order, counts = _work_lists(cases, axis=0)
     dkv_shape = k.shape[:2] + (block_kv,) + k.shape[3:]
 
@@ -183,7 +185,7 @@ def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta
                     p = jnp.exp(s - lse_t[..., None])
                     if masked:
                         mask = _tile_mask(_slice(q_pos, qs, block_q, 1), kp_t,
-                                          _seg_slice(q_seg, qs, block_q), kg_t, causal)
+                                          _seg_slice(q_seg, qs, block_q), kg_t, causal, window)
                         p = jnp.where(mask, p, 0.0)
                     dv_t = dv_t + jnp.einsum("bkqgm,bkqgd->bkmd", p, do_t)
                     dp = jnp.einsum("bkqgd,bkmd->bkqgm", do_t, v_t)
@@ -208,10 +210,10 @@ def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta
 # ----------------------------------------------------------------------------- dense reference
 
 
-def dense_attention(q, k, v, *, positions=None, segment_ids=None, causal=True):
+def dense_attention(q, k, v, *, positions=None, segment_ids=None, causal=True, window=0):
     """Plain attention in natural order: q ``[B, L, Hq, D]``, k/v ``[B, L, Hkv, D]``.
 
-    Mask: same segment and ``k_pos <= q_pos``. GQA groups query heads per kv head instead of
+    Mask: same segment and ``k_pos <= q_pos`` (and ``k_pos > q_pos - window`` when > 0). GQA groups query heads per kv head instead of
     repeating K/V. fp32 inside, returns ``q.dtype``. Rows with no visible key return 0.
     """
     b, length, hq, d = q.shape
@@ -224,7 +226,7 @@ def dense_attention(q, k, v, *, positions=None, segment_ids=None, causal=True):
     k_BKLD = ac.to_kv_major(k.astype(jnp.float32))
     v_BKLD = ac.to_kv_major(v.astype(jnp.float32))
     s = jnp.einsum("bkqgd,bkmd->bkqgm", q_BKLGD, k_BKLD)
-    mask = _tile_mask(positions, positions, segment_ids, segment_ids, causal)
+    mask = _tile_mask(positions, positions, segment_ids, segment_ids, causal, window)
     s = jnp.where(mask, s, -jnp.inf)
     m = s.max(-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), lax.stop_gradient(m), 0.0)

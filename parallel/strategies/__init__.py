@@ -25,10 +25,13 @@ class Strategy:
     with (``accumulators.KV``). ``to_heads`` moves a query-side array (the output cotangent,
     its row sums) the way ``meet`` moved the queries, ``to_seq`` moves a result back. After
     ``hops`` rounds, ``home`` turns a block's fp32 ``dk``/``dv [B, K, Sk, D]`` into this
-    device's ``[B, C, Hkv, D]``.
+    device's ``[B, C, Hkv, D]``. Only the first ``rounds`` of the ``hops`` rounds run when the
+    later ones can have no work (a sliding window in the
+    contiguous layout: ``parallel/window.py``).
     """
 
     hops = 1
+    rounds = 1
 
     def __init__(self, call):
         self.call = call

@@ -25,10 +25,12 @@ class Call:
     ulysses: int = 1  # devices per all-to-all group (neighbours on the axis); N for ulysses
 
     tiles: tuple = ()  # (forward, dQ, dK/dV) Tiles (``parallel/kernels/tiling.py``)
+    window: int = 0  # sliding window W (causal only): a query sees q_pos - W < k_pos; 0: none
+    rounds: int = 0  # ring rounds that can have work (the window's reach); 0: every hop
 
     def round_spec(self, q_heads, kv_heads, head_dim, has_seg) -> RoundSpec:
         return RoundSpec(self.kernel, *self.tiles, q_heads // kv_heads, kv_heads, head_dim,
-                         self.scale, self.causal, has_seg, self.interpret)
+                         self.scale, self.causal, has_seg, self.interpret, self.window)
 
     @property
     def size(self):

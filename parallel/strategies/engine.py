@@ -19,7 +19,8 @@ from parallel.strategies.rounds import Rounds
 
 
 def ring_forward(strategy, kv, acc, attend):
-    if strategy.hops == 1:
+    """``strategy.rounds`` rounds (all ``hops`` of them unless a window stops the ring early)."""
+    if strategy.rounds == 1:
         return attend(kv, acc)
 
     def round_(_, carry):
@@ -27,13 +28,14 @@ def ring_forward(strategy, kv, acc, attend):
         kv_next = strategy.shift(kv)
         return kv_next, attend(kv, acc)
 
-    kv, acc = lax.fori_loop(0, strategy.hops - 1, round_, (kv, acc))
+    kv, acc = lax.fori_loop(0, strategy.rounds - 1, round_, (kv, acc))
     return attend(kv, acc)
 
 
 def ring_backward(strategy, kv, dq, grads):
     """Returns ``(dq, dk, dv)``; ``dk``/``dv`` of the block this device started with."""
-    if strategy.hops == 1:
+    rounds = strategy.rounds
+    if rounds == 1:  # the block never left: its gradient is already home
         return grads(kv, dq)
     shift = strategy.shift
     kv_next = shift(kv)
@@ -48,10 +50,12 @@ def ring_backward(strategy, kv, dq, grads):
         dq, dk, dv = grads(kv, dq)
         return kv_next, dq, (dkv_in[0] + dk, dkv_in[1] + dv)
 
-    kv_next, dq, dkv = lax.fori_loop(1, strategy.hops - 1, lambda _, c: round_(*c, prefetch=True),
+    kv_next, dq, dkv = lax.fori_loop(1, rounds - 1, lambda _, c: round_(*c, prefetch=True),
                                      (kv_next, dq, (dk, dv)))
     _, dq, dkv = round_(kv_next, dq, dkv, prefetch=False)
-    dk, dv = shift(dkv)  # the final hop brings each block's gradient home
+    # The last block seen started rounds - 1 hops back: one transfer brings its gradient home
+    # (one hop on the full ring; the rest of the circle when a window stopped it early).
+    dk, dv = shift(dkv, hops=strategy.hops - rounds + 1)
     return dq, dk, dv
 
 

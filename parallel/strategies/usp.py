@@ -61,12 +61,14 @@ class Usp(Strategy):
     def __init__(self, call):
         super().__init__(call)
         self.hops = call.size // call.ulysses
+        self.rounds = min(self.hops, call.rounds or self.hops)
 
-    def shift(self, tree):
-        """One hop round the ring: device d sends to d + U (U = 1 for the plain ring; the
-        hybrid's ring connects the same member of neighbouring Ulysses groups)."""
+    def shift(self, tree, hops=1):
+        """``hops`` hops round the ring in one transfer: device d sends to d + hops * U (U = 1
+        for the plain ring; the hybrid's ring connects the same member of neighbouring Ulysses
+        groups)."""
         n, u = self.call.size, self.call.ulysses
-        perm = [(i, (i + u) % n) for i in range(n)]
+        perm = [(i, (i + hops * u) % n) for i in range(n)]
         return jax.tree.map(lambda x: lax.ppermute(x, self.call.axis, perm), tree)
 
     def _a2a(self, x, split, concat):
