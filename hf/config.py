@@ -3,11 +3,13 @@
 RoPE arrives in either of two spellings: ``rope_theta`` + ``rope_scaling`` (released
 checkpoints, transformers 4) or ``rope_parameters`` (what transformers 5 writes); both become
 ``model.rope_theta`` + ``model.rope_scaling.*``. Export writes the first spelling, which every
-transformers version reads. Qwen2 is LLaMA with biases on q, k and v (``model.qkv_bias``); a
-model with them exports as Qwen2, one without as LLaMA. Anything the model does not have
-(another architecture, biases elsewhere, another activation, sliding windows, another RoPE
-type) stops the conversion with one line naming it; ``REFUSED`` names what the known
-architectures that do not convert have that this model lacks.
+transformers version reads. Qwen2 is LLaMA with biases on q, k and v (``model.qkv_bias``);
+Mistral is LLaMA with a sliding window (``model.sliding_window``, the same convention: a query at
+p sees keys p - W < k <= p) on every layer. Export: q/k/v biases -> Qwen2 (every layer sliding
+when the model has a window), else a window -> Mistral, else LLaMA. Anything the model does not
+have (another architecture, biases elsewhere, another activation, windows that differ between
+layers, another RoPE type) stops the conversion with one line naming it; ``REFUSED`` names what
+the known architectures that do not convert have that this model lacks.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ REFUSED = {
                                "bases, q/k RMSNorm, post-attention and post-MLP norms, GeGLU MLP"),
     "gemma3": ("Gemma 3", "a vision tower, alternating local sliding-window / global layers with "
                           "two RoPE bases, q/k RMSNorm, GeGLU MLP"),
-    "mixtral": ("Mixtral", "a mixture-of-experts MLP (num_local_experts), sliding windows"),
+    "mixtral": ("Mixtral", "a mixture-of-experts MLP (num_local_experts)"),
     "qwen2_moe": ("Qwen2-MoE", "a mixture-of-experts MLP (num_experts) with a gated shared expert"),
     "qwen3": ("Qwen3", "RMSNorm on q and k per head (q_norm, k_norm)"),
     "qwen3_moe": ("Qwen3-MoE", "a mixture-of-experts MLP (num_experts), RMSNorm on q and k"),
@@ -87,31 +89,74 @@ def _refuse(cfg: dict):
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json: hidden_act={act!r}; this model's MLP is SwiGLU (silu)")
-    if kind == "qwen2":
-        _refuse_qwen2_window(cfg)
-    else:
-        window = cfg.get("sliding_window")
-        if window and window < cfg.get("max_position_embeddings", 0):
-            raise ConversionError(f"config.json: sliding_window={window}; this model attends to "
-                                  f"the whole causal context (no sliding window)")
-    other = sorted({t for t in cfg.get("layer_types") or () if t != "full_attention"})
+    sliding_window(cfg)  # windows that differ between layers stop here
+
+
+# The layer kinds transformers names in layer_types; only these two have a meaning here.
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _layer_types(cfg: dict, window) -> list[str]:
+    """Each layer's kind as transformers builds the model from this config.json."""
+    kind, n = cfg.get("model_type"), int(cfg.get("num_hidden_layers") or 0)
+    given = cfg.get("layer_types")
+    if kind == "mistral":
+        # MistralForCausalLM ignores layer_types (every layer reads config.sliding_window);
+        # a list of mixed kinds means another model (Ministral's alternating layers): refused.
+        return list(given) if given and len(set(given)) > 1 else [SLIDING if window else FULL] * n
+    if given:
+        return list(given)
+    if kind == "qwen2":  # Qwen2Config: layers from max_window_layers (default 28) on slide
+        first = int(cfg.get("max_window_layers", 28))
+        return [SLIDING if window and i >= first else FULL for i in range(n)]
+    return [FULL] * n
+
+
+def sliding_window(cfg: dict) -> int:
+    """``model.sliding_window`` for an HF config (0: full attention), read as transformers
+    reads it: Mistral slides every layer by ``sliding_window`` (null: none, as in v0.2+);
+    Qwen2 only with ``use_sliding_window`` true, from layer ``max_window_layers`` on (or per
+    ``layer_types``); LLaMA never. This model has one window for every layer: a config in
+    which some layers slide and others do not stops in one line."""
+    kind = cfg.get("model_type")
+    window = cfg.get("sliding_window")
+    if kind == "llama" or (kind == "qwen2" and not cfg.get("use_sliding_window")):
+        window = None  # LlamaForCausalLM never reads it; Qwen2Config drops it when false
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ConversionError(f"config.json: sliding_window={window!r}; it must be a whole "
+                              f"number of tokens >= 1, or null for full attention")
+    types = _layer_types(cfg, window)
+    other = sorted({t for t in types if t not in (FULL, SLIDING)})
     if other:
         raise ConversionError(f"config.json: layer_types has {', '.join(map(repr, other))} "
-                              f"layers; every layer here attends to the whole causal context "
-                              f"('full_attention')")
-
-
-def _refuse_qwen2_window(cfg: dict):
-    """Qwen2 configs carry sliding_window and max_window_layers even where no layer uses them
-    (use_sliding_window false); transformers slides layers max_window_layers.. only when true."""
-    if not cfg.get("use_sliding_window"):
-        return
-    first, layers = int(cfg.get("max_window_layers") or 0), int(cfg.get("num_hidden_layers") or 0)
-    if cfg.get("sliding_window") and first < layers:
+                              f"layers; only {FULL!r} and {SLIDING!r} layers convert")
+    sliding = [i for i, t in enumerate(types) if t == SLIDING]
+    if sliding and not window:
         raise ConversionError(
-            f"config.json: use_sliding_window=true (layers {first}..{layers - 1} attend within "
-            f"sliding_window={cfg['sliding_window']}); sliding windows do not convert yet (every "
-            f"layer here attends to the whole causal context)")
+            f"config.json: layer_types has {SLIDING!r} layers but no sliding_window applies "
+            f"(use_sliding_window={cfg.get('use_sliding_window')}, "
+            f"sliding_window={cfg.get('sliding_window')!r})")
+    if sliding and len(sliding) < len(types):
+        full = [i for i, t in enumerate(types) if t == FULL]
+        hint = ""
+        if kind == "qwen2" and not cfg.get("layer_types"):
+            hint = (" (Qwen2 converts with max_window_layers 0, every layer sliding, or >= "
+                    "num_hidden_layers, none)")
+        raise ConversionError(
+            f"config.json: sliding_window={window} on {_spans(sliding)}, full attention on "
+            f"{_spans(full)}; this model has one window for every layer{hint}")
+    return int(window) if sliding else 0
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'layers 0..2, 5'; [3] -> 'layer 3'."""
+    out, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}..{a}" if a > start else f"{a}")
+            start = b
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(out)
 
 
 def _rope_parameters(cfg: dict) -> dict:
@@ -184,7 +229,8 @@ def model_fields(cfg: dict) -> dict:
                   "ffn_dim": int(cfg["intermediate_size"]),
                   "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
                   "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-                  "qkv_bias": cfg["model_type"] in QKV_BIAS}
+                  "qkv_bias": cfg["model_type"] in QKV_BIAS,
+                  "sliding_window": sliding_window(cfg)}
     except KeyError as e:
         raise ConversionError(f"config.json lacks {e.args[0]!r}, which a LLaMA config has") from None
     head_dim = int(cfg.get("head_dim") or d // heads)
@@ -224,7 +270,8 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
                                     ("attention_factor", float(s.attention_factor), 0.0)):
             if value != default:
                 scaling[key] = value
-    kind = "qwen2" if m.get("qkv_bias", False) else "llama"
+    window = int(m.get("sliding_window", 0))
+    kind = "qwen2" if m.get("qkv_bias", False) else "mistral" if window else "llama"
     out.update({
         "architectures": [CONVERTS[kind]], "model_type": kind,
         "vocab_size": int(m.vocab_size), "hidden_size": int(m.d_model),
@@ -234,16 +281,25 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
         "attention_dropout": 0.0, "tie_word_embeddings": bool(m.get("tie_embeddings", False)),
         "max_position_embeddings": max_pos, "rope_theta": float(m.rope_theta),
         "rope_scaling": scaling, "torch_dtype": dtype, "use_cache": True})
-    out.pop("layer_types", None)  # every layer is full attention: transformers derives them
+    out.pop("layer_types", None)  # one kind for every layer: transformers derives them
     if kind == "qwen2":
-        # Qwen2's own switch; sliding_window and max_window_layers stay as imported (unused).
-        out["use_sliding_window"] = False
-        for llama_only in ("attention_bias", "mlp_bias"):
-            out.pop(llama_only, None)
+        # Qwen2's own switch; without a window, sliding_window and max_window_layers stay as
+        # imported (unused). With one, every layer slides: from layer 0 on.
+        out["use_sliding_window"] = bool(window)
+        if window:
+            out.update(sliding_window=window, max_window_layers=0)
     else:
-        out.update(attention_bias=False, mlp_bias=False)
-        for qwen2_only in ("sliding_window", "use_sliding_window", "max_window_layers"):
-            out.pop(qwen2_only, None)
+        out.pop("use_sliding_window", None)
+        out.pop("max_window_layers", None)
+        if kind == "mistral":
+            out["sliding_window"] = window
+        else:
+            out.pop("sliding_window", None)
+    for key in ("attention_bias", "mlp_bias"):  # LlamaConfig's own fields
+        if kind == "llama":
+            out[key] = False
+        else:
+            out.pop(key, None)
     if bos is not None:
         out["bos_token_id"] = bos
     imported_eos = out.get("eos_token_id")

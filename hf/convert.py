@@ -94,7 +94,9 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
         f"layers, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}, rope_theta "
         f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
         + (", tied embeddings" if m.tie_embeddings else "")
-        + (", q/k/v biases" if m.get("qkv_bias", False) else "") + f" -> {out}")
+        + (", q/k/v biases" if m.get("qkv_bias", False) else "")
+        + (f", sliding window {m.sliding_window}" if m.get("sliding_window", 0) else "")
+        + f" -> {out}")
     return out
 
 
@@ -132,8 +134,8 @@ def _hf_side_dir(run_dir: pathlib.Path) -> pathlib.Path | None:
 def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "auto",
               step: int | None = None, max_shard_gb: float = 5.0,
               log: Callable[[str], None] = print) -> pathlib.Path:
-    """Writes an HF LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) directory at ``out``
-    from a run's checkpoint."""
+    """Writes an HF LlamaForCausalLM directory at ``out`` from a run's checkpoint: a
+    Qwen2ForCausalLM with q/k/v biases, a MistralForCausalLM with a sliding window."""
     import jax
     import ml_dtypes
 

@@ -1,4 +1,5 @@
-"""Hugging Face LLaMA / Qwen2 tensor names and shapes to this model's parameter tree, and back.
+"""Hugging Face LLaMA / Mistral / Qwen2 tensor names and shapes to this model's parameter tree,
+and back (Mistral's names are LLaMA's).
 
 HF stores each projection as ``[out, in]`` per layer; here the layers are stacked on a leading
 axis (lax.scan) and projections are ``[in, ...out]`` with heads split out:

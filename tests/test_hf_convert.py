@@ -1,7 +1,8 @@
-"""scripts/convert_hf.py against transformers: small random LlamaForCausalLMs and
-Qwen2ForCausalLMs imported give transformers' logits (dense, and ring attention in every
-layout) and its greedy tokens; an export loads back in transformers with the very same tensors;
+"""scripts/convert_hf.py against transformers: small random LlamaForCausalLMs,
+Qwen2ForCausalLMs and MistralForCausalLMs with a sliding window imported give transformers'
+logits (dense, and ring attention in every layout) and its greedy tokens; an export loads back in transformers with the very same tensors;
 bad input and every known architecture that does not convert is one line."""
+import dataclasses
 import json
 import pathlib
 
@@ -14,7 +15,7 @@ from flax import nnx
 # The reference, from requirements-test.txt (make test installs it).
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from checkpoints.rundir import open_run
 from data.tokenizer import EOS, train_bpe
@@ -53,13 +54,14 @@ def tokenizer_files(rng, directory: pathlib.Path):
 # family -> (config class, model class, query heads, head dim). Qwen2 here has 7 query heads
 # per kv head (with the default kv_heads=2), as Qwen2.5-7B has (28/4).
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, 4, 16),
-            "qwen2": (Qwen2Config, Qwen2ForCausalLM, 14, 8)}
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM, 14, 8),
+            "mistral": (MistralConfig, MistralForCausalLM, 4, 16)}
 
 
 def hf_model(rng, directory: pathlib.Path, *, scaling="none", tied=False, kv_heads=2,
              dtype=torch.float32, shard=None, family="llama", **config):
-    """Saves a random LlamaForCausalLM or Qwen2ForCausalLM (weights and biases far from init,
-    so every tensor matters)."""
+    """Saves a random LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM (weights and
+    biases far from init, so every tensor matters)."""
     directory.mkdir(parents=True)
     tok = tokenizer_files(rng, directory)
     max_pos = ORIGINAL * 4 if scaling in ("yarn", "llama3") else ORIGINAL
@@ -114,6 +116,13 @@ def hf_logits(model, tokens_BL):
 
 def relative(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def with_window(run, window: int):
+    """The same run (weights, tokenizer) with ``model.sliding_window`` set to ``window``."""
+    config = run.config.copy_and_resolve_references()
+    config.model.sliding_window = window
+    return dataclasses.replace(run, config=config)
 
 
 @pytest.mark.parametrize("scaling,tied,kv_heads", [
@@ -443,31 +452,160 @@ def test_qwen2_greedy_generation_gives_transformers_tokens(qwen2, rng, capsys):
 def test_qwen2_sliding_window_fields_read_as_transformers_reads_them(qwen2):
     """Released Qwen2 configs carry sliding_window and max_window_layers with
     use_sliding_window false (and no layer_types): nothing slides, the import is the same.
-    With it true, the layers transformers would slide stop the import in one line."""
+    With it true, the window is the model's when transformers slides every layer
+    (max_window_layers 0), none when it slides none; some but not all is one line. An export
+    with a window is a Qwen2 config in which transformers slides every layer."""
     _, run, _ = qwen2
     cfg = json.loads((run.directory / "hf" / "config.json").read_text())
     want = hf_config.model_fields(cfg)
-    assert want["qkv_bias"] is True
+    assert want["qkv_bias"] is True and want["sliding_window"] == 0
     released = {k: v for k, v in cfg.items() if k != "layer_types"}
     released.update(use_sliding_window=False, sliding_window=32, max_window_layers=1)
-    for window_layers, slides in ((1, True), (2, False)):  # 2 layers: from layer 2 on is none
+    # 2 layers: from layer 0 on is every layer, from 1 on is layer 1, from 2 on is none
+    for window_layers, window in ((0, 32), (1, None), (2, 0)):
         case = {**released, "max_window_layers": window_layers}
-        layer_types = Qwen2Config(**{**case, "use_sliding_window": True}).layer_types
-        assert ("sliding_attention" in layer_types) == slides
         assert hf_config.model_fields(case) == want
         case["use_sliding_window"] = True
-        if not slides:
-            assert hf_config.model_fields(case) == want
+        layer_types = Qwen2Config(**case).layer_types
+        assert layer_types.count("sliding_attention") == {32: 2, None: 1, 0: 0}[window]
+        if window is not None:
+            assert hf_config.model_fields(case) == {**want, "sliding_window": window}
+            # transformers 5 writes the list out: read the same from it
+            listed = {**case, "layer_types": layer_types, "max_window_layers": 99}
+            assert hf_config.model_fields(listed) == {**want, "sliding_window": window}
             continue
         with pytest.raises(ConversionError) as e:
             hf_config.model_fields(case)
         assert str(e.value) == (
-            "config.json: use_sliding_window=true (layers 1..1 attend within sliding_window=32); "
-            "sliding windows do not convert yet (every layer here attends to the whole causal "
-            "context)")
+            "config.json: sliding_window=32 on layer 1, full attention on layer 0; this model "
+            "has one window for every layer (Qwen2 converts with max_window_layers 0, every "
+            "layer sliding, or >= num_hidden_layers, none)")
+        with pytest.raises(ConversionError, match=r"^config.json: sliding_window=32 on layer 1, "
+                                                  r"full attention on layer 0; [^(]*$"):
+            hf_config.model_fields({**case, "layer_types": layer_types})
         with pytest.raises(ConversionError, match=r"^config.json: layer_types has "
-                                                  r"'sliding_attention' layers; every layer"):
+                                                  r"'sliding_attention' layers but no "
+                                                  r"sliding_window applies"):
             hf_config.model_fields({**released, "layer_types": layer_types})
+    m = with_window(run, 24).config.model
+    out = hf_config.hf_config(m, seq_len=128, dtype="float32", base=cfg, bos=None, eos=None)
+    assert (out["model_type"], out["use_sliding_window"], out["sliding_window"]) == \
+        ("qwen2", True, 24)
+    theirs = Qwen2Config(**out)
+    assert theirs.layer_types == ["sliding_attention"] * 2 and theirs.sliding_window == 24
+    assert hf_config.model_fields(out)["sliding_window"] == 24
+
+
+def test_qwen2_with_every_layer_sliding_gives_transformers_logits(qwen2, rng):
+    """The qwen2 fixture's weights in a Qwen2 that slides every layer (use_sliding_window,
+    max_window_layers 0), at 4 windows: the window read from that config.json gives
+    transformers' logits."""
+    model, run, seed = qwen2
+    cfg = {**json.loads((run.directory / "hf" / "config.json").read_text()),
+           "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0}
+    cfg.pop("layer_types", None)
+    sliding = Qwen2ForCausalLM(Qwen2Config(**cfg, attn_implementation="eager")).eval()
+    sliding.load_state_dict(model.state_dict())
+    tokens = rng.integers(0, run.config.model.vocab_size, (1, 4 * WINDOW))
+    got = our_logits(with_window(run, hf_config.model_fields(cfg)["sliding_window"]), tokens)
+    theirs = hf_logits(sliding, tokens)
+    assert relative(got, theirs) < 1e-4, seed
+    assert relative(got, hf_logits(model, tokens)) > 1e-2, seed  # the window matters here
+
+
+WINDOW = 12  # the Mistral tests' window: not a multiple of the 8-token tiles, under max_pos 16
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """One random MistralForCausalLM with sliding_window=WINDOW (transformers' eager attention,
+    which applies the window through the mask create_sliding_window_causal_mask builds) and its
+    import, shared by the Mistral tests below."""
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    d = tmp_path_factory.mktemp("mistral")
+    model = hf_model(rng, d / "hf", family="mistral", sliding_window=WINDOW,
+                     attn_implementation="eager")
+    run = import_run(d / "hf", d / "run", "--config.data.seq_len=128")
+    return model, run, seed
+
+
+@pytest.mark.parametrize("layout", ["dense", "contiguous", "striped"])
+def test_mistral_sliding_window_gives_transformers_logits_dense_and_with_ring_attention(
+        mistral, rng, layout):
+    """At 5 windows and more, dense and ring attention on 4 devices; the window matters:
+    without it ours is transformers' without it, far from transformers' with it."""
+    model, run, seed = mistral
+    m = run.config.model
+    assert (m.sliding_window, m.qkv_bias, m.num_kv_heads) == (WINDOW, False, 2), seed
+    assert model.config._attn_implementation == "eager"
+    L = 64
+    tokens = rng.integers(0, m.vocab_size, (2, L))
+    theirs = hf_logits(model, tokens)
+    if layout == "dense":
+        got = our_logits(run, tokens)
+        full = our_logits(with_window(run, 0), tokens)
+        model.config.sliding_window = None  # MistralModel reads it at every call
+        try:
+            theirs_full = hf_logits(model, tokens)
+        finally:
+            model.config.sliding_window = WINDOW
+        assert relative(full, theirs_full) < 1e-4, seed
+        assert relative(full, theirs) > 1e-2 and relative(theirs_full, theirs) > 1e-2, seed
+    else:
+        mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+        backend = AttentionBackend(impl="ring", layout=layout, mesh=mesh, block_q=8, block_kv=8)
+        got = our_logits(run, tokens, backend, permutation(layout, L, 4))
+    assert relative(got, theirs) < 1e-4, seed
+
+
+def test_mistral_greedy_generation_gives_transformers_tokens(mistral, rng, capsys):
+    model, run, _ = mistral
+    assert_greedy_tokens_match(rng, run, model, capsys)  # 60 tokens: 5 windows
+
+
+def test_mistral_exports_back_bit_for_bit_with_its_window(mistral, tmp_path):
+    """Export writes a MistralForCausalLM with the same tensors (bit for bit) and
+    sliding_window; transformers reads it so. Without a window the model exports as LLaMA."""
+    _, run, _ = mistral
+    assert convert_hf.main(["export", "--run", str(run.directory), "--out",
+                            str(tmp_path / "out")]) == 0
+    a, b = Tensors(run.directory.parent / "hf"), Tensors(tmp_path / "out")
+    assert a.names() == b.names()
+    for name in a.names():
+        assert a[name].dtype == b[name].dtype
+        np.testing.assert_array_equal(a[name].view(np.uint8), b[name].view(np.uint8))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["model_type"], written["sliding_window"]) == ("mistral", WINDOW)
+    assert not {"use_sliding_window", "max_window_layers", "layer_types"} & set(written)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(exported) is MistralForCausalLM and exported.config.sliding_window == WINDOW
+    base = json.loads((run.directory / "hf" / "config.json").read_text())
+    plain = hf_config.hf_config(with_window(run, 0).config.model, seq_len=128, dtype="float32",
+                                base=base, bos=None, eos=None)
+    assert (plain["model_type"], plain["architectures"]) == ("llama", ["LlamaForCausalLM"])
+    assert "sliding_window" not in plain and LlamaConfig(**plain).num_hidden_layers == 2
+
+
+def test_mistral_v01_window_and_v02_null_both_import(mistral):
+    """Mistral-7B-v0.1's config.json has sliding_window 4096 (under max_position_embeddings
+    32768), v0.2 and later null: the first slides every layer by 4096, the second is full
+    attention; nothing else differs. LLaMA never reads the key."""
+    _, run, _ = mistral
+    cfg = json.loads((run.directory / "hf" / "config.json").read_text())
+    want = hf_config.model_fields(cfg)
+    assert want["sliding_window"] == WINDOW
+    v01 = {**cfg, "sliding_window": 4096, "max_position_embeddings": 32768}
+    v02 = {**cfg, "sliding_window": None, "max_position_embeddings": 32768}
+    assert hf_config.model_fields(v01) == {**want, "sliding_window": 4096}
+    assert hf_config.model_fields(v02) == {**want, "sliding_window": 0}
+    assert MistralConfig(**v02).sliding_window is None
+    llama = {**v01, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    assert hf_config.model_fields(llama)["sliding_window"] == 0
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ConversionError, match=rf"^config.json: sliding_window={bad}; it "
+                                                  rf"must be a whole number of tokens >= 1"):
+            hf_config.model_fields({**cfg, "sliding_window": bad})
 
 
 # (config.json beyond a LLaMA one, what the one line must say): every known architecture that
@@ -501,9 +639,17 @@ REFUSALS = {
                  ["GPT-NeoX (", "partial rotary embedding"]),
     "deepseek_v3": ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
                      "n_routed_experts": 256}, ["DeepSeek-V3 (", "multi-head latent attention"]),
-    "mistral window": ({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
-                        "sliding_window": 4096, "max_position_embeddings": 32768},
-                       ["sliding_window=4096; this model attends to the whole causal context"]),
+    "ministral layers": ({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                          "sliding_window": 4096, "max_position_embeddings": 32768,
+                          "layer_types": ["sliding_attention", "full_attention"]},
+                         ["sliding_window=4096 on layer 0, full attention on layer 1; this "
+                          "model has one window for every layer"]),
+    "qwen2 upper layers slide": ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                  "use_sliding_window": True, "sliding_window": 16,
+                                  "max_window_layers": 1},
+                                 ["sliding_window=16 on layer 1, full attention on layer 0; "
+                                  "this model has one window for every layer (Qwen2 converts "
+                                  "with max_window_layers 0"]),
     "llama o bias": ({"attention_bias": True},
                      ["attention_bias=true (biases on q, k, v and o); only Qwen2's q/k/v biases"]),
 }
@@ -521,5 +667,5 @@ def test_each_known_architecture_that_does_not_convert_is_one_line_naming_it(nam
     assert line.startswith("config.json: ") and "\n" not in line
     for fragment in fragments:
         assert fragment in line, line
-    if changes.get("model_type", "llama") not in ("llama", "mistral"):
+    if changes.get("model_type", "llama") not in ("llama", "mistral", "qwen2"):
         assert line.endswith("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"), line
