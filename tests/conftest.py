@@ -30,18 +30,3 @@ def rng():
     seed = np.random.SeedSequence().entropy
     print(f"numpy seed {seed}")  # shown by pytest when the test fails
     return np.random.default_rng(seed)
-
-
-# Seconds each slow file takes in `make test` (its tests' --durations summed, 2026-12-01): the
-# workers take whole files in collection order, so the longest start first and short ones fill
-# the end, instead of one worker finishing a long file alone. Only the order depends on it.
-SLOW_FILES = {"test_kernels.py": 270, "test_readme_commands.py": 240, "test_multiprocess.py": 140,
-              "test_state.py": 90, "test_hf_convert.py": 85, "test_attention.py": 80,
-              "test_eval_passkey.py": 70, "test_resume.py": 70, "test_gpu_compile.py": 65,
-              "test_plan.py": 60, "test_loss.py": 55, "test_faults.py": 50, "test_window.py": 45,
-              "test_model.py": 40, "test_usp.py": 30, "test_allgather.py": 25,
-              "test_generate_eval.py": 20}
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: -SLOW_FILES.get(item.path.name, 0))  # stable: files stay whole
