@@ -25,6 +25,7 @@ class Case(NamedTuple):
     dtype: str  # bfloat16 | float16 | float32
     has_seg: bool
     tiles: tuple[Tile, Tile, Tile]  # forward, dQ, dK/dV
+    window: int = 0  # model.sliding_window: its band adds a compare to the masked tiles
 
 
 def default_case(kernel, head_dim, group, dtype, has_seg, chunk, arch="sm_90") -> Case:
@@ -35,7 +36,7 @@ def default_case(kernel, head_dim, group, dtype, has_seg, chunk, arch="sm_90") -
 
 def spec(case: Case) -> RoundSpec:
     return RoundSpec(case.kernel, *case.tiles, case.group, 1, case.head_dim,
-                     1 / math.sqrt(case.head_dim), True, case.has_seg, False)
+                     1 / math.sqrt(case.head_dim), True, case.has_seg, False, case.window)
 
 
 def round_fn(case: Case):

@@ -9,6 +9,7 @@ instructions (``mma`` on sm_80, ``wgmma`` on sm_90) in the PTX (``planning/gpu_k
     python scripts/gpu_compile.py                                   # the whole default matrix
     python scripts/gpu_compile.py --arch sm_90 --head-dims 128 --groups 1,4 --json out.json
     python scripts/gpu_compile.py --block-q 128 --block-kv 64 --warps 8 --stages 2  # a user tile
+    python scripts/gpu_compile.py --arch sm_90 --head-dims 128 --window 4096  # Mistral's window
     python scripts/gpu_compile.py --sweep --json tiles.json         # how the defaults were chosen
     python scripts/gpu_compile.py --tpu                             # Mosaic lowering + VMEM
 
@@ -44,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--seg", choices=("both", "yes", "no"), default="both",
                    help="with segment ids (packed documents), without, or both")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per device")
+    p.add_argument("--window", type=int, default=0,
+                   help="model.sliding_window the kernels mask with (0: none)")
     p.add_argument("--block-q", type=int, default=0, help="q tile (positions); 0: the default")
     p.add_argument("--block-kv", type=int, default=0, help="kv tile (positions); 0: the default")
     p.add_argument("--warps", type=int, default=0, help="Triton num_warps; 0: the default")
@@ -64,7 +67,7 @@ def _case(args, kernel, arch, d, g, dtype, has_seg):
                             arch=arch, names=("--block-q", "--block-kv"))
         case = case._replace(tiles=tiles)
     over = {k: v for k, v in (("num_warps", args.warps), ("num_stages", args.stages)) if v}
-    return case._replace(tiles=tuple(t._replace(**over) for t in case.tiles))
+    return case._replace(tiles=tuple(t._replace(**over) for t in case.tiles), window=args.window)
 
 
 def _segs(args):

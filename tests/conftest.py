@@ -1,11 +1,22 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One JAX compilation cache for the whole run, fresh each time: the pytest workers and every
+# process they start inherit it, so a program compiled by one of them (the tiny model's train
+# step, which dozens of `train.py` runs build) is compiled once. A cache hit is the same
+# executable, so nothing a test checks changes; a cache set by the user is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -133,13 +133,15 @@ def test_compare_layouts_writes_all_layouts(tmp_path, mask, window):
            "--block", "16", "--document-mask", mask, "--window", str(window),
            "--set", "data.source=jsonl", "--set", f"data.path={docs}",
            "--set", "model.vocab_size=512", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
-    impls = ["ring", "usp"] if mask == "off" else ["ring"]  # usp: 2 groups of 2 (ulysses 2)
-    cmd += ["--impls", ",".join(impls), "--ulysses", "2"]
+    # usp: 2 groups of 2 (ulysses 2); with the window, the two layouts it is about
+    impls = ["ring", "usp"] if mask == "off" else ["ring"]
+    layouts = ["contiguous", "striped"] if mask == "off" else ["contiguous", "striped", "zigzag"]
+    cmd += ["--impls", ",".join(impls), "--ulysses", "2", "--layouts", ",".join(layouts)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert {(r["impl"], r["layout"]) for r in rows} == {
-        (i, lay) for i in impls for lay in ("contiguous", "striped", "zigzag")}
+        (i, lay) for i in impls for lay in layouts}
     for r in rows:
         assert {"layout", "seq_len", "processes", "median_step_s", "tokens_per_s",
                 "speedup_vs_contiguous", "final_loss"} <= r.keys()

@@ -16,7 +16,9 @@ all its queries and a whole (gathered) K/V block in one call (``ANY_CHUNKS``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -80,15 +82,27 @@ def _seg_slice(seg, start, size):
     return None if seg is None else _slice(seg, start, size, 1)
 
 
-def _work_lists(cases, axis):
-    """Per row of ``cases`` (axis=1: per q tile over kv tiles; axis=0: per kv tile over q
-    tiles): the indices of the tiles to compute, in ascending order, and how many there are.
+class _Block(NamedTuple):
+    """One K/V block ready for the tile loops: fp32 keys and values, the tile cases ``[nq, nk]``
+    and the work list: per row (a q tile in the forward, a kv tile in the backward) the indices
+    of the tiles to compute, in ascending order (``order``), and how many there are."""
 
-    The kernel loops over exactly these: skipped tiles cost nothing, not even a branch.
-    """
-    skip = (cases == predicate.SKIP) if axis == 1 else (cases == predicate.SKIP).T
+    k: jax.Array
+    v: jax.Array
+    cases: jax.Array
+    order: jax.Array
+    counts: jax.Array
+
+
+def _block(q_pos, q_seg, kv: ac.KV, *, block_q, block_kv, causal, window, by_kv) -> _Block:
+    """The kernel loops over exactly the listed tiles: skipped ones cost nothing, not even a
+    branch. ``by_kv``: rows are kv tiles (the backward), else q tiles (the forward)."""
+    cases = predicate.tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv,
+                                 causal=causal, window=window)
+    skip = (cases == predicate.SKIP).T if by_kv else cases == predicate.SKIP
     order = jnp.argsort(skip, axis=1, stable=True).astype(jnp.int32)  # computed tiles first
-    return order, jnp.sum(~skip, axis=1, dtype=jnp.int32)
+    return _Block(kv.k.astype(jnp.float32), kv.v.astype(jnp.float32), cases, order,
+                  jnp.sum(~skip, axis=1, dtype=jnp.int32))
 
 
 def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, block_kv, causal=True,
@@ -100,11 +114,8 @@ def attend_block(q_BKCGD, kv: ac.KV, q_pos, q_seg, acc: ac.Acc, *, block_q, bloc
     """
     _, _, cq, _, _ = q_BKCGD.shape
     nq = cq // block_q
-    k = kv.k.astype(jnp.float32)
-    v = kv.v.astype(jnp.float32)
-    cases = predicate.tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv,
-                                 causal=causal, window=window)
-    order, counts = _work_lists(cases, axis=1)
+    k, v, cases, order, counts = _block(q_pos, q_seg, kv, block_q=block_q, block_kv=block_kv,
+                                        causal=causal, window=window, by_kv=False)
 
     def q_tile(i, acc):
         qs = i * block_q
@@ -154,11 +165,8 @@ def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta
     """
     ck = kv.k.shape[2]
     nk = ck // block_kv
-    k = kv.k.astype(jnp.float32)
-    v = kv.v.astype(jnp.float32)
-    cases = predicate.tile_cases(q_pos, kv.pos, q_seg, kv.seg, block_q=block_q, block_kv=block_kv,
-                                 causal=causal, window=window)
-    order, counts = _work_lists(cases, axis=0)
+    k, v, cases, order, counts = _block(q_pos, q_seg, kv, block_q=block_q, block_kv=block_kv,
+                                        causal=causal, window=window, by_kv=True)
     dkv_shape = k.shape[:2] + (block_kv,) + k.shape[3:]
 
     def kv_tile(j, carry):
