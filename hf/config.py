@@ -54,7 +54,7 @@ REFUSED = {
                       "GELU MLP, biases"),
     "olmo2": ("OLMo 2", "RMSNorm on q and k, norms after attention and MLP instead of before"),
     "cohere": ("Command R", "LayerNorm, parallel attention and MLP, logit scale"),
-    "starcoder2": ("StarCoder2", "LayerNorm, GELU MLP, biases, sliding window"),
+    "starcoder2": ("StarCoder2", "LayerNorm, GELU MLP, biases"),
 }
 # Keys that mean a mixture-of-experts MLP, whatever the model_type.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
