@@ -89,7 +89,6 @@ def _refuse(cfg: dict):
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json: hidden_act={act!r}; this model's MLP is SwiGLU (silu)")
-    sliding_window(cfg)  # windows that differ between layers stop here
 
 
 # The layer kinds transformers names in layer_types; only these two have a meaning here.
