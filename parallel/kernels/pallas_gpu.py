@@ -115,7 +115,6 @@ def check_tile(names, tile: Tile, group, head_dim, chunk):
                           f"use attention.kernel=xla")
 
 
-
 def _params(spec: RoundSpec, tile: Tile):
     if spec.interpret:
         return {"interpret": True}

@@ -61,7 +61,7 @@ class Usp(Strategy):
     def __init__(self, call):
         super().__init__(call)
         self.hops = call.size // call.ulysses
-        self.rounds = min(self.hops, call.rounds or self.hops)
+        self.rounds = call.rounds or self.hops  # call.rounds: the window's reach, < hops
 
     def shift(self, tree, hops=1):
         """``hops`` hops round the ring in one transfer: device d sends to d + hops * U (U = 1
