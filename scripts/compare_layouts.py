@@ -79,8 +79,6 @@ def layout_config(base, layout: str, seq_len: int, devices: int, args, impl: str
                        ulysses=args.ulysses)
     c.attention.block_q = c.attention.block_kv = tile(seq_len // devices, args.block)
     c.mesh.update(data=1, fsdp=1, sequence=devices, tensor=1)
-    if args.window:
-        c.model.sliding_window = args.window
     # Batches are fetched outside the timed region; a prefetch thread would only steal the
     # pinned core from the step being timed (seen: it made the layouts' medians erratic).
     c.data.update(seq_len=seq_len, batch_size=args.batch, heldout_fraction=0.01, prefetch=0)
@@ -119,6 +117,8 @@ def measure(args) -> list[dict]:
     from training.validate import validate
 
     base = load(args.config, args.set)
+    if args.window:  # the model's own window from here on: every run and the FLOP count read it
+        base.model.sliding_window = args.window
     devices = jax.device_count()
     layouts = [x for x in args.layouts.split(",") if x]
     impls = [x for x in args.impls.split(",") if x]
@@ -149,9 +149,7 @@ def measure(args) -> list[dict]:
                     run["tiles"].append(tile_critical_path(run, layout, row, args, devices, impl))
                 run["losses"].append(loss)
         m = base.model
-        window = args.window or None  # --window overrides the config's model.sliding_window
-        share = (attention_flops_per_token(m, seq_len, window=window)
-                 / flops_per_token(m, seq_len, window=window))
+        share = attention_flops_per_token(m, seq_len) / flops_per_token(m, seq_len)
         ref = runs[("ring", "contiguous") if ("ring", "contiguous") in runs else keys[0]]
         for impl, layout in keys:
             run = runs[impl, layout]
