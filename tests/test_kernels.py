@@ -28,19 +28,24 @@ from helpers import (B, D, L, check, inputs, reference, rel_err, random_segments
 
 PALLAS = ("pallas_gpu", "pallas_tpu")
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
-# Ring size x heads x mask x dtype. Every layout runs in every case. By default the cases cover
-# every pair of values (each pair of heads/mask/dtype at N=2, two opposite corners at N=1 and
-# 4) to keep the suite's time; STRIPEDJAX_FULL_KERNEL_MATRIX=1 runs the whole product (a GPU/TPU
-# host running the real kernels: scripts/device_check.sh does).
+# Kernel x ring size x heads x mask x dtype. Every layout runs in every case. By default each
+# kernel runs four cases that hold every pair of heads/mask/dtype values, at ring sizes 1, 2, 2
+# and 4 (so every pair of any two factors, the kernel included, is run), to keep the suite's
+# time; STRIPEDJAX_FULL_KERNEL_MATRIX=1 runs the whole product for both kernels (a GPU/TPU host
+# running the real kernels: scripts/device_check.sh does).
 FULL_MATRIX = os.environ.get("STRIPEDJAX_FULL_KERNEL_MATRIX") == "1"
 if FULL_MATRIX:
-    CASES = list(itertools.product((1, 2, 4), ("mha", "gqa4"), ("causal", "packed"),
+    CASES = list(itertools.product(PALLAS, (1, 2, 4), ("mha", "gqa4"), ("causal", "packed"),
                                    ("float32", "bfloat16")))
 else:
-    CASES = [(2, "mha", "causal", "float32"), (2, "mha", "packed", "bfloat16"),
-             (2, "gqa4", "causal", "bfloat16"), (2, "gqa4", "packed", "float32"),
-             (1, "mha", "causal", "float32"), (1, "gqa4", "packed", "bfloat16"),
-             (4, "mha", "packed", "float32"), (4, "gqa4", "causal", "bfloat16")]
+    CASES = [("pallas_gpu", 1, "mha", "causal", "float32"),
+             ("pallas_gpu", 2, "gqa4", "packed", "float32"),
+             ("pallas_gpu", 2, "mha", "packed", "bfloat16"),
+             ("pallas_gpu", 4, "gqa4", "causal", "bfloat16"),
+             ("pallas_tpu", 1, "gqa4", "packed", "bfloat16"),
+             ("pallas_tpu", 2, "mha", "causal", "bfloat16"),
+             ("pallas_tpu", 2, "gqa4", "causal", "float32"),
+             ("pallas_tpu", 4, "mha", "packed", "float32")]
 HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
 
 
@@ -52,9 +57,8 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("kernel", PALLAS)
-def test_fused_ring_matches_reference(rng, kernel, case):
-    n, heads, mask, dtype = case
+def test_fused_ring_matches_reference(rng, case):
+    kernel, n, heads, mask, dtype = case
     bq, bk = tiles(kernel)
     run_all_layouts(rng, n, HEADS[heads], mask, dtype=jnp.dtype(dtype), tol=TOL[dtype],
                     layouts=LAYOUTS, block_q=bq, block_kv=bk, kernel=kernel)
@@ -212,8 +216,13 @@ def test_a_new_kernel_is_one_module_and_one_registry_entry(rng, monkeypatch):
     assert {x[1] for x in seen} == {name}
 
 
-@pytest.mark.parametrize("group", [3, 5, 6, 7])
-@pytest.mark.parametrize("kernel", PALLAS)
+# By default each kernel runs an odd group and one more (group 7 with pallas_tpu runs through
+# allgather below); the full matrix runs all four groups with both kernels.
+ANY_GROUPS = [(k, g) for k in PALLAS for g in (3, 5, 6, 7)] if FULL_MATRIX else [
+    ("pallas_gpu", 3), ("pallas_gpu", 7), ("pallas_tpu", 5), ("pallas_tpu", 6)]
+
+
+@pytest.mark.parametrize("kernel,group", ANY_GROUPS)
 def test_any_group_with_default_tiles(rng, kernel, group):
     """GQA groups that are no power of two, with the kernels' default tiles (clamped to the
     chunk here), packed documents, every layout, against the float64 reference. A ring of two
@@ -228,7 +237,7 @@ def test_any_group_with_default_tiles(rng, kernel, group):
 GROUP_7 = {"ring": (2, (7, 1), {}, "striped"), "allgather": (2, (7, 1), {}, "zigzag"),
            "ulysses": (2, (14, 2), {}, "contiguous"), "usp": (4, (14, 2), {"ulysses": 2}, "zigzag")}
 # By default each strategy runs with one kernel and each kernel with some strategy (the ring
-# with both fused kernels is test_any_group_with_default_tiles[7]); the full matrix runs every
+# with pallas_gpu is test_any_group_with_default_tiles[pallas_gpu-7]); the full matrix runs every
 # strategy with every kernel (about 2 minutes on 2 cores instead of 15 s).
 if FULL_MATRIX:
     GROUP_7_CASES = list(itertools.product(GROUP_7, ("xla", *PALLAS)))
