@@ -17,6 +17,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+# One directory for the run that every pytest worker sees (they inherit this environment):
+# tests/trained_run.py makes its reference training run there once, not once per worker.
+if "STRIPEDJAX_TEST_SHARED" not in os.environ:
+    os.environ["STRIPEDJAX_TEST_SHARED"] = tempfile.mkdtemp(prefix="stripedjax-tests-")
+    atexit.register(shutil.rmtree, os.environ["STRIPEDJAX_TEST_SHARED"], True)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

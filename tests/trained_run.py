@@ -1,12 +1,14 @@
 """A small real training run, made once per test session and shared by the checkpoint tests.
 
-Runs go through train.py in subprocesses (8 simulated CPU devices), with a persistent XLA
-compilation cache shared by every subprocess of the session: the first run compiles, the
-others load the same programs, so each further run costs its startup and its steps only.
+Runs go through train.py in subprocesses (8 simulated CPU devices), with the persistent XLA
+compilation cache that tests/conftest.py sets for the whole test run: the first run compiles,
+the others load the same programs, so each further run costs its startup and its steps only.
+The reference run is made once for all pytest workers, in the run's shared directory.
 """
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import json
 import os
@@ -19,6 +21,8 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SESSION = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_tests_"))
 atexit.register(shutil.rmtree, SESSION, ignore_errors=True)
+# Shared by the pytest workers of one run (tests/conftest.py); this process's own otherwise.
+SHARED = pathlib.Path(os.environ.get("STRIPEDJAX_TEST_SHARED") or SESSION)
 
 STEPS = 40  # the reference run; the interrupted run stops near step 10 of the same 40
 EVERY = 8
@@ -36,8 +40,10 @@ OVERRIDES = {
 def env() -> dict:
     e = dict(os.environ)
     e.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-             JAX_COMPILATION_CACHE_DIR=str(SESSION / "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2", PYTHONUNBUFFERED="1")
+             PYTHONUNBUFFERED="1")
+    if "JAX_COMPILATION_CACHE_DIR" not in e:  # imported outside the test suite
+        e.update(JAX_COMPILATION_CACHE_DIR=str(SESSION / "jax_cache"),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
     return e
 
 
@@ -79,8 +85,15 @@ def evals(workdir) -> dict[int, dict]:
 
 @functools.cache
 def reference() -> pathlib.Path:
-    """A finished run of STEPS steps, checkpoints every EVERY steps."""
-    workdir = SESSION / "reference"
-    out = train(workdir)
-    assert out.returncode == 0, out.stderr[-3000:]
+    """A finished run of STEPS steps, checkpoints every EVERY steps: made by the first worker
+    that asks (the others wait on the lock), then only read. A test that runs train.py on it
+    works on its own copy (test_resume)."""
+    workdir, done = SHARED / "reference", SHARED / "reference.done"
+    with open(SHARED / "reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # a worker's failed attempt
+            out = train(workdir)
+            assert out.returncode == 0, out.stderr[-3000:]
+            done.touch()
     return workdir
