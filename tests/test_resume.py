@@ -47,10 +47,7 @@ def last_step(metrics_path) -> int:
 @pytest.fixture(scope="module")
 def reference():
     """This file's copy of the shared reference run: tests here run train.py on it."""
-    copy = tr.SESSION / "reference"
-    if not copy.exists():
-        shutil.copytree(tr.reference(), copy)
-    return copy
+    return shutil.copytree(tr.reference(), tr.SESSION / "reference")  # returns the copy
 
 
 @pytest.fixture(scope="module")

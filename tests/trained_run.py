@@ -21,8 +21,8 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SESSION = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_tests_"))
 atexit.register(shutil.rmtree, SESSION, ignore_errors=True)
-# Shared by the pytest workers of one run (tests/conftest.py); this process's own otherwise.
-SHARED = pathlib.Path(os.environ.get("STRIPEDJAX_TEST_SHARED") or SESSION)
+# Shared by the pytest workers of one run (tests/conftest.py sets it before they start).
+SHARED = pathlib.Path(os.environ["STRIPEDJAX_TEST_SHARED"])
 
 STEPS = 40  # the reference run; the interrupted run stops near step 10 of the same 40
 EVERY = 8
@@ -40,10 +40,7 @@ OVERRIDES = {
 def env() -> dict:
     e = dict(os.environ)
     e.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-             PYTHONUNBUFFERED="1")
-    if "JAX_COMPILATION_CACHE_DIR" not in e:  # imported outside the test suite
-        e.update(JAX_COMPILATION_CACHE_DIR=str(SESSION / "jax_cache"),
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
+             PYTHONUNBUFFERED="1")  # the compilation cache: conftest's, in os.environ
     return e
 
 
