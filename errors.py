@@ -48,3 +48,9 @@ class KernelError(UserError):
 class ConversionError(UserError):
     """A Hugging Face checkpoint or a run that cannot be converted (another architecture, a
     setting the model does not have, missing or malformed files)."""
+
+
+class ClusterError(UserError):
+    """A launch whose place in a run cannot be found (a cluster step with variables missing or
+    malformed, a coordinator the other hosts cannot reach) or a run directory another live run
+    is writing."""

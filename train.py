@@ -15,12 +15,16 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from configs.command_line import check_argv, parse_flags
-from parallel.host_devices import multi_process_env, simulate_for_mesh
+from errors import ClusterError
+from parallel.cluster import place_or_exit
+from parallel.host_devices import simulate_for_mesh
 from training import supervisor
+from training.run_lock import RunLock
 
 check_argv(sys.argv, "config", "configs/tiny.py")  # a missing file or field: one line, exit 2
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default runs/<name>-<time>)")
+# Not needed under srun, mpirun or Kubernetes: parallel/cluster.py reads their variables.
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "multi-process: HOST:PORT of process 0")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "multi-process: process count")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "multi-process: this process's index")
@@ -30,18 +34,41 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # keep the backend probing chatter out of the log
     config = _CONFIG.value
-    # Processes of one run must agree on the directory: name it, or let process 0's clock do.
-    workdir = pathlib.Path(_WORKDIR.value or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    multi = any(f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID))
-    if (multi or multi_process_env()) and not supervisor.watched():
+    # Process i of n, from the flags or what srun / mpirun / Kubernetes left in the environment.
+    place = place_or_exit(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                          config.distributed)
+    workdir = pathlib.Path(_WORKDIR.value or default_workdir(config.name, place))
+    if place.multi and not supervisor.watched():
         # The training runs in a watched child: a lost peer ends it in one line (supervisor.py).
-        sys.exit(supervisor.supervise(sys.argv, workdir, _PROCESS_ID.value,
-                                      config.distributed.heartbeat_timeout_s))
+        with run_lock_or_exit(workdir, place.process_id):
+            sys.exit(supervisor.supervise(sys.argv, workdir, place, config.distributed))
     supervisor.native_stderr_to_log()
-    simulate_for_mesh(config.mesh, multi_process=multi)
+    simulate_for_mesh(config.mesh, multi_process=place.multi)
     from training.entry import main_with_errors  # after the device count is set: imports jax
-    sys.exit(main_with_errors(config, workdir, _COORDINATOR.value, _NUM_PROCESSES.value,
-                              _PROCESS_ID.value))
+    if place.multi:  # the watcher above holds this process's lock
+        sys.exit(main_with_errors(config, workdir, place))
+    with run_lock_or_exit(workdir, 0):
+        sys.exit(main_with_errors(config, workdir, place))
+
+
+def default_workdir(name: str, place) -> str:
+    """runs/<name>-<time>; a run of several processes must agree on it: runs/<name>-<job id>
+    under SLURM or Open MPI (a requeued job keeps its id, so it resumes), else --workdir."""
+    if not place.multi:
+        return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if place.job_id:
+        return f"runs/{name}-{place.job_id}"
+    print(f"error: a run of {place.num_processes} processes ({place.environment}) needs "
+          f"--workdir: every process must write the same directory", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_lock_or_exit(workdir: pathlib.Path, process_id: int) -> RunLock:
+    try:
+        return RunLock(workdir, process_id).acquire()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -154,12 +154,22 @@ def get_config() -> ml_collections.ConfigDict:
     k.restore_from = ""  # start from another run's checkpoint dir (its newest step)
     k.restore_weights_only = False  # with restore_from: take params only, fresh optimizer/data
 
-    # Multi-process runs (train.py --coordinator ...; parallel/distributed.py).
+    # Multi-process runs: each process finds its place from the flags (--coordinator,
+    # --num_processes, --process_id), JAX_* variables, SLURM, Open MPI or Kubernetes
+    # (parallel/cluster.py; docs/clusters.md).
     c.distributed = ml_collections.ConfigDict()
-    # A process that sends jax.distributed no heartbeat for this long (dead, hung, unreachable)
-    # ends the run on every host within about this time, with one line naming it; a relaunch
-    # of the same command resumes (training/supervisor.py).
+    # A process that sends jax.distributed no heartbeat for this long (dead, frozen,
+    # unreachable) ends the run on every host within about this time, with one line naming it;
+    # a relaunch of the same command resumes (training/supervisor.py).
     c.distributed.heartbeat_timeout_s = 100
+    # How long the processes wait for each other to join at startup (uneven host start-up,
+    # image pulls): then one line names the coordinator and where its address came from.
+    c.distributed.init_timeout_s = 300
+    # A process that is alive but stuck (a deadlock, a hung file system, a collective that
+    # never completes) keeps its heartbeat: when no train step finishes for this long, every
+    # process ends in one line naming it (training/watchdog.py). 0: the larger of 10 minutes
+    # and 20 median step times. The first step (its compile) is not timed.
+    c.distributed.step_timeout_s = 0.0
 
     c.wandb = w = ml_collections.ConfigDict()
     w.mode = "disabled"  # disabled | offline | online

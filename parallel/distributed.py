@@ -1,4 +1,5 @@
-"""Several processes, one mesh: jax.distributed setup and a local launcher (one process a core).
+"""Several processes, one mesh: jax.distributed setup and a local launcher (one process a core
+or a GPU, given flags or the variables a cluster would set).
 
 On CPU the processes talk over gloo; on GPUs over NCCL. The same train step runs either way.
 """
@@ -18,24 +19,34 @@ import time
 ONE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, heartbeat_timeout_s: int = 100) -> None:
-    """Joins the process group given by the arguments or JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process. A process that sends no
-    heartbeat for ``heartbeat_timeout_s`` is declared dead and every other one ends."""
-    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    if process_id is None and "JAX_PROCESS_ID" in os.environ:
-        process_id = int(os.environ["JAX_PROCESS_ID"])
-    if num_processes <= 1:
-        return
-    if not coordinator or process_id is None:
-        raise ValueError("a multi-process run needs --coordinator HOST:PORT and --process_id "
-                         "(or JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID)")
+def initialize(place, heartbeat_timeout_s: int = 100, init_timeout_s: int = 300) -> str:
+    """Joins the run ``place`` (parallel.cluster.resolve) describes; a no-op for one process.
+    A process that sends no heartbeat for ``heartbeat_timeout_s`` is declared dead and every
+    other one ends; one that cannot gather the run within ``init_timeout_s`` aborts (its
+    watcher, training/supervisor.py, says so in one line). Returns the startup line."""
+    if not place.multi:
+        return ""
     import jax
+
+    from parallel.cluster import local_device_ids, visible_gpus
+    from parallel.host_devices import on_cpu
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # ignored by GPU/TPU clients
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                               heartbeat_timeout_seconds=int(heartbeat_timeout_s))
+    timeouts = dict(initialization_timeout=int(init_timeout_s),
+                    heartbeat_timeout_seconds=int(heartbeat_timeout_s))
+    if place.environment == "TPU pod":
+        jax.distributed.initialize(**timeouts)
+    else:
+        # Ours resolved every field, so JAX's own detection stays off: it would give a process
+        # of a one-per-host launch only GPU 0 (SLURM_LOCALID), not the host's share.
+        ids = None if on_cpu() else local_device_ids(
+            place, visible_gpus(), bound_per_task=bool(os.environ.get("SLURM_GPUS_PER_TASK")))
+        jax.distributed.initialize(place.coordinator, num_processes=place.num_processes,
+                                   process_id=place.process_id, local_device_ids=ids,
+                                   cluster_detection_method="deactivate", **timeouts)
+    devices = jax.local_devices()
+    kinds = sorted({d.platform for d in devices})
+    return (f"{place.describe()}; {len(devices)} local {'/'.join(kinds)} device"
+            f"{'s' if len(devices) != 1 else ''} ({', '.join(str(d.id) for d in devices)})")
 
 
 # Python-level errors of a collective or barrier whose peer is gone (gloo, NCCL, the
@@ -64,10 +75,43 @@ def simulate_cpu_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int | None = None, high: int | None = None) -> int:
+    """A free TCP port: any, or one in [low, high] (a cluster's port rule's range)."""
+    if low is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    import random
+    for port in random.sample(range(low, high + 1), min(200, high + 1 - low)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise OSError(f"no free port in [{low}, {high}]")
+
+
+CLUSTERS = ("slurm", "openmpi", "k8s")
+
+
+def cluster_env(kind: str, i: int, n: int, port: int) -> dict[str, str]:
+    """What ``kind``'s launcher would set for task i of n on one host, coordinator on ``port``
+    (chosen so that the cluster's own port rule gives it: parallel/cluster.py)."""
+    from parallel.cluster import PORT_BASE
+    if kind == "slurm":  # srun -n N on one node
+        return {"SLURM_JOB_ID": str(4096 * 10 + port - PORT_BASE), "SLURM_STEP_ID": "0",
+                "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_NUM_NODES": "1",
+                "SLURM_NTASKS": str(n), "SLURM_STEP_TASKS_PER_NODE": str(n),
+                "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_NODEID": "0"}
+    if kind == "openmpi":  # mpirun -n N: the launcher's job id in the URI gives the port
+        return {"OMPI_MCA_orte_hnp_uri": f"{4096 * (port - PORT_BASE)}.0;tcp://127.0.0.1:{free_port()}",
+                "OMPI_COMM_WORLD_SIZE": str(n), "OMPI_COMM_WORLD_RANK": str(i),
+                "OMPI_COMM_WORLD_LOCAL_RANK": str(i), "OMPI_COMM_WORLD_LOCAL_SIZE": str(n)}
+    if kind == "k8s":  # an Indexed Job; the coordinator as XPK and our manifest give it
+        return {"JOB_COMPLETION_INDEX": str(i), "HOSTNAME": f"train-{i}",
+                "JAX_NUM_PROCESSES": str(n), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"}
+    raise ValueError(f"--as {kind!r} is not one of {', '.join(CLUSTERS)}")
 
 
 def _relay(stream, prefix: str, out):
@@ -77,26 +121,44 @@ def _relay(stream, prefix: str, out):
 
 
 def spawn_local(argv: list[str], processes: int, devices_per_process: int = 1,
-                quiet_followers: bool = False) -> int:
-    """Runs ``python argv... --coordinator ... --num_processes P --process_id i`` P times, process
-    i pinned to core i with one XLA thread, output prefixed ``[pI]``. When one process fails the
-    others are stopped at once; returns the first non-zero exit code (0 if all succeed)."""
-    port = free_port()
+                quiet_followers: bool = False, as_cluster: str | None = None,
+                platform: str = "cpu") -> int:
+    """Runs ``python argv...`` P times as one distributed run, output prefixed ``[pI]``. Each
+    process finds its place from ``--coordinator ... --num_processes P --process_id i``, or
+    with ``as_cluster`` (slurm | openmpi | k8s) from the variables that cluster would set. On
+    the CPU each is pinned to a core with one XLA thread and ``devices_per_process`` devices;
+    on GPUs (``platform="gpu"``) each drives its share of the host's GPUs. When one process
+    fails the others are stopped at once; returns the first non-zero exit code (0 if all
+    succeed)."""
+    from parallel.cluster import PORT_BASE
+    port = free_port(PORT_BASE, 65535) if as_cluster else free_port()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if cores and len(cores) < processes:
-        print(f"warning: {processes} processes on {len(cores)} cores: they will share cores",
-              file=sys.stderr)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(filter(None, [
-        os.environ.get("XLA_FLAGS", ""), ONE_THREAD_FLAGS,
-        f"--xla_force_host_platform_device_count={devices_per_process}"])), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if platform == "cpu":
+        if cores and len(cores) < processes:
+            print(f"warning: {processes} processes on {len(cores)} cores: they will share cores",
+                  file=sys.stderr)
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(filter(None, [
+            os.environ.get("XLA_FLAGS", ""), ONE_THREAD_FLAGS,
+            f"--xla_force_host_platform_device_count={devices_per_process}"])))
     procs, relays = [], []
     for i in range(processes):
-        cmd = [sys.executable, *argv, "--coordinator", f"127.0.0.1:{port}",
-               "--num_processes", str(processes), "--process_id", str(i)]
-        if cores and shutil.which("taskset"):
+        cmd, own = [sys.executable, *argv], dict(env)
+        if as_cluster:
+            own.update(cluster_env(as_cluster, i, processes, port))
+        else:
+            cmd += ["--coordinator", f"127.0.0.1:{port}", "--num_processes", str(processes),
+                    "--process_id", str(i)]
+            if platform == "gpu":
+                from parallel.cluster import Place, local_device_ids, visible_gpus
+                gpus = visible_gpus()
+                ids = local_device_ids(Place("local", processes, i, local_rank=i,
+                                             local_size=processes), gpus)
+                own["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[k] for k in (ids or range(len(gpus))))
+        if platform == "cpu" and cores and shutil.which("taskset"):
             cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]
         quiet = quiet_followers and i > 0
-        p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+        p = subprocess.Popen(cmd, env=own, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
         t = threading.Thread(target=_relay, daemon=True, args=(

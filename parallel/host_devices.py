@@ -8,8 +8,9 @@ own mesh (scripts/eval.py, scripts/eval_passkey.py) ``simulate_for_run``. It app
 and says so in one line, only when all of these hold:
 
 - XLA_FLAGS sets no device count yet (the user's, ``make demo``'s or the launcher's wins);
-- the run is one process: no ``--coordinator`` / ``--num_processes`` / ``--process_id`` and no
-  JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES > 1 (each process then brings its own devices);
+- the run is one process: no ``--coordinator`` / ``--num_processes`` / ``--process_id``, no
+  JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES > 1 and no SLURM step, Open MPI or Kubernetes
+  launch of several processes (parallel/cluster.py; each process then brings its own devices);
 - the run is on the CPU: JAX_PLATFORMS is ``cpu``, or it is unset and jax has no accelerator
   plugin installed (no ``jax_plugins`` entry point or module, e.g. jax-cuda12-plugin, and no
   libtpu). On a GPU/TPU host the real devices form the mesh;
@@ -41,8 +42,15 @@ def accelerator_plugin_installed() -> bool:
 
 
 def multi_process_env(environ=os.environ) -> bool:
-    return bool(environ.get("JAX_COORDINATOR_ADDRESS")) or int(
-        environ.get("JAX_NUM_PROCESSES", "1") or "1") > 1
+    """Whether the environment makes this process one of several (JAX_* variables, a SLURM
+    step, Open MPI, Kubernetes: parallel/cluster.py); a launch it cannot resolve counts too
+    (train.py stops it in one line)."""
+    from parallel.cluster import resolve
+    from errors import ClusterError
+    try:
+        return resolve(environ=environ).multi or bool(environ.get("JAX_COORDINATOR_ADDRESS"))
+    except ClusterError:
+        return True
 
 
 def on_cpu(environ=os.environ) -> bool:

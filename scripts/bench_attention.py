@@ -27,6 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from parallel.cluster import place_or_exit  # noqa: E402
 from parallel.distributed import initialize, simulate_cpu_devices, spawn_local  # noqa: E402
 
 
@@ -74,7 +75,7 @@ def run(args):
     from parallel.attention import context_parallel_attention
 
     if args.worker >= 0:
-        initialize(args.coordinator, args.num_processes, args.process_id)
+        initialize(place_or_exit(args.coordinator, args.num_processes, args.process_id))
         devices = jax.devices()
     else:
         devices = jax.devices()[: args.devices or None]

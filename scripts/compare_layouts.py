@@ -239,7 +239,8 @@ def main(argv=None):
     from parallel.distributed import initialize, simulate_cpu_devices
     if args.processes == 1 and args.devices:
         simulate_cpu_devices(args.devices)
-    initialize(args.coordinator, args.num_processes, args.process_id)
+    from parallel.cluster import place_or_exit
+    initialize(place_or_exit(args.coordinator, args.num_processes, args.process_id))
     import jax
     rows = measure(args)
     if jax.process_index() == 0:

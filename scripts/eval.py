@@ -139,8 +139,10 @@ def evaluate(run, args, log) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from parallel.cluster import one_process_or_exit
     from parallel.host_devices import simulate_for_run
     from training.entry import script_main, stderr
+    one_process_or_exit("scripts/eval.py")
     simulate_for_run(args.run, say=stderr)  # before jax starts
 
     def run_eval() -> int:

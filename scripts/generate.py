@@ -127,7 +127,9 @@ def generate(run, params, graphdef, prompt: str, args) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from parallel.cluster import one_process_or_exit
     from training.entry import script_main, stderr
+    one_process_or_exit("scripts/generate.py")
 
     def run_generate() -> int:
         from checkpoints.rundir import open_run

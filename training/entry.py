@@ -10,15 +10,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (UserError,)
 
 
-def main_with_errors(config, workdir, coordinator=None, num_processes=None,
-                     process_id=None) -> int:
+def main_with_errors(config, workdir, place) -> int:
     from parallel.distributed import initialize, is_peer_error
-    heartbeat_s = config.distributed.heartbeat_timeout_s
-    try:
-        initialize(coordinator, num_processes, process_id, heartbeat_s)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    d = config.distributed
+    line = initialize(place, d.heartbeat_timeout_s, d.init_timeout_s)
+    if line:
+        print(line, flush=True)
     import jax
 
     from training import supervisor
@@ -33,7 +30,7 @@ def main_with_errors(config, workdir, coordinator=None, num_processes=None,
         return 1
     except Exception as e:
         if jax.process_count() > 1 and is_peer_error(e):
-            supervisor.end_for_lost_peer(e, heartbeat_s)  # never returns
+            supervisor.end_for_lost_peer(e, d.heartbeat_timeout_s)  # never returns
         raise
     if jax.process_count() > 1 and summary.get("final_loss") is not None:
         # Every process reports: a launcher (and its test) can check that they agree.

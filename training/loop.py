@@ -14,6 +14,7 @@ from checkpoints.resume import run_meta, start_state
 from errors import ConfigError
 from model.flops import flops_per_token, param_count
 from parallel.mesh import make_mesh
+from training import watchdog as watchdogs
 from training.divergence import Diverged, Divergence  # noqa: F401  (Diverged: entry.py's)
 from training.logger import MetricsLogger
 from training.mfu import peak_flops_total
@@ -180,10 +181,11 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         ckpts.save(step, state, pipe.train.state(), meta, force=force)
 
     step = start
-    with StopOnSignal() as stop:
+    with StopOnSignal() as stop, watchdogs.for_run(config, workdir) as watchdog:
         while step < t.steps:
             step += 1
             state, metrics = trainer.train_step(state, next(pipe.train))
+            watchdog.dispatched(step, metrics["loss"])
             bad = None
             if clock is None:  # the first step compiles: keep it out of tokens/s
                 jax.block_until_ready(metrics)
@@ -202,13 +204,16 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
                 bad = first_bad()
             if bad is not None:
                 step, state = divergence.handle(bad, step)
+                watchdog.restart(step)
                 forget_after(workdir, step)  # the steps after it are trained again
                 pending, clock, t_first = None, None, time.perf_counter()
                 continue
             if periodic and step != t.steps:
                 save(step)
+                watchdog.beat()
             if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                 do_eval(step)
+                watchdog.beat()
             if last:
                 stopped = step if stopping else None
                 break
@@ -219,6 +224,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
                       f"{ckpts.path(stopped)}; run the same command to resume")
         else:
             if t.steps > start:
+                watchdog.beat()
                 do_eval(t.steps)
             save(t.steps, force=True)
             ckpts.wait()

@@ -30,12 +30,11 @@ LOG_ENV = "STRIPEDJAX_NATIVE_LOG"  # set for the child: where its native stderr 
 PEER_LOST = 3  # the exit code of a run ended by a lost peer
 
 
-def supervise(argv: list[str], workdir: pathlib.Path, process_id: int | None,
-              heartbeat_timeout_s: int) -> int:
+def supervise(argv: list[str], workdir: pathlib.Path, place, distributed) -> int:
     """Runs ``python argv`` (train.py's own command line) as the watched child; its exit code,
-    or PEER_LOST with the one line when it ended abnormally."""
-    if process_id is None:
-        process_id = int(os.environ.get("JAX_PROCESS_ID", "0"))
+    or PEER_LOST with the one line when it ended abnormally. ``place`` is the process's place
+    in the run (parallel/cluster.py), ``distributed`` the config's timeouts."""
+    process_id = place.process_id
     workdir = workdir.absolute()
     log = workdir / "logs" / f"process{process_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -51,12 +50,27 @@ def supervise(argv: list[str], workdir: pathlib.Path, process_id: int | None,
         signal.signal(sig, forward)
     code = child.wait()
     if code >= 0 and code != PEER_LOST:
-        return code
+        return code  # done, a user error, a divergence, or a stuck run (watchdog.STUCK): said
     text = log.read_text(errors="replace")
-    print(f"error: {lost_line(text, code, process_id, heartbeat_timeout_s, workdir, log)}",
+    heartbeat_s = distributed.heartbeat_timeout_s
+    if never_joined(text):
+        line = (f"the run did not start: process {process_id} waited distributed.init_timeout_s="
+                f"{distributed.init_timeout_s} s for all {place.num_processes} processes to join at "
+                f"coordinator {place.coordinator} (from {place.source('coordinator')}); check that "
+                f"every process was launched and that this host reaches that address (details: "
+                f"{log})")
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        return PEER_LOST
+    print(f"error: {lost_line(text, code, process_id, heartbeat_s, workdir, log)}",
           file=sys.stderr, flush=True)
-    lost = code == PEER_LOST or _peer_named(text, heartbeat_timeout_s)[0] is not None
+    lost = code == PEER_LOST or _peer_named(text, heartbeat_s)[0] is not None
     return PEER_LOST if lost else 128 - code
+
+
+def never_joined(text: str) -> bool:
+    """Whether the native log shows jax.distributed giving up on gathering the run: process 0
+    waiting for the others, or another one for the coordinator."""
+    return "RegisterTask" in text and "DEADLINE_EXCEEDED" in text
 
 
 def lost_line(text: str, code: int, process_id: int, heartbeat_timeout_s: int,
@@ -69,10 +83,15 @@ def lost_line(text: str, code: int, process_id: int, heartbeat_timeout_s: int,
         what = f"a peer of process {process_id} stopped answering, so it stopped"
     else:
         what = f"process {process_id} was ended by {signal.Signals(-code).name}"
+    return f"{what}; {resume_tail(workdir)} (details: {log})"
+
+
+def resume_tail(workdir: pathlib.Path) -> str:
+    """The newest complete checkpoint and how to go on from it."""
     step = newest_complete(workdir / "checkpoints")
     kept = (f"newest complete checkpoint: step {step} ({workdir / 'checkpoints' / str(step)})"
             if step is not None else "no checkpoint was complete yet")
-    return f"{what}; {kept}; rerun the same command on every host to resume (details: {log})"
+    return f"{kept}; rerun the same command on every host to resume"
 
 
 def _peer_named(text: str, heartbeat_timeout_s: int) -> tuple[int | None, str]:

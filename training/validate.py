@@ -7,6 +7,7 @@ from errors import ConfigError, DataError, LayoutError, MeshError
 from model import rope
 from model.decoder import DTYPES, REMAT
 from parallel import kernels, strategies
+from parallel.cluster import check_timeouts
 from parallel.kernels import tiling
 from parallel.layouts import LAYOUTS, check as check_layout
 from parallel.mesh import mesh_shape
@@ -121,8 +122,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(t.max_rollbacks >= 0, f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
     _need(k.every >= 0 and k.keep >= 1,
           f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")
-    _need(config.distributed.heartbeat_timeout_s >= 1,
-          f"distributed.heartbeat_timeout_s={config.distributed.heartbeat_timeout_s} must be >= 1")
+    check_timeouts(config.distributed)
     _need(config.wandb.mode in WANDB_MODES,
           f"wandb.mode={config.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     return sizes
