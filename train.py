@@ -5,21 +5,21 @@
 Everything the run writes lands in --workdir (default runs/<config name>-<time>); running the
 same command on a directory with checkpoints resumes from the newest complete one. On a CPU,
 the config's mesh is simulated (XLA_FLAGS, one line says so) unless XLA_FLAGS already sets a
-device count: parallel/host_devices.py has the rule.
+device count: parallel/host_devices.py has the rule. Under srun, mpirun or a Kubernetes Indexed
+Job every process finds its place from the launcher's variables, with no flags
+(parallel/cluster.py, docs/clusters.md).
 """
 import pathlib
 import sys
-import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from configs.command_line import check_argv, parse_flags
-from errors import ClusterError
-from parallel.cluster import place_or_exit
+from parallel.cluster import default_workdir, place_or_exit
 from parallel.host_devices import simulate_for_mesh
 from training import supervisor
-from training.run_lock import RunLock
+from training.run_lock import hold_or_exit
 
 check_argv(sys.argv, "config", "configs/tiny.py")  # a missing file or field: one line, exit 2
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file", lock_config=True)
@@ -40,35 +40,15 @@ def main(argv):
     workdir = pathlib.Path(_WORKDIR.value or default_workdir(config.name, place))
     if place.multi and not supervisor.watched():
         # The training runs in a watched child: a lost peer ends it in one line (supervisor.py).
-        with run_lock_or_exit(workdir, place.process_id):
+        with hold_or_exit(workdir, place.process_id):
             sys.exit(supervisor.supervise(sys.argv, workdir, place, config.distributed))
     supervisor.native_stderr_to_log()
     simulate_for_mesh(config.mesh, multi_process=place.multi)
     from training.entry import main_with_errors  # after the device count is set: imports jax
     if place.multi:  # the watcher above holds this process's lock
         sys.exit(main_with_errors(config, workdir, place))
-    with run_lock_or_exit(workdir, 0):
+    with hold_or_exit(workdir, 0):
         sys.exit(main_with_errors(config, workdir, place))
-
-
-def default_workdir(name: str, place) -> str:
-    """runs/<name>-<time>; a run of several processes must agree on it: runs/<name>-<job id>
-    under SLURM or Open MPI (a requeued job keeps its id, so it resumes), else --workdir."""
-    if not place.multi:
-        return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if place.job_id:
-        return f"runs/{name}-{place.job_id}"
-    print(f"error: a run of {place.num_processes} processes ({place.environment}) needs "
-          f"--workdir: every process must write the same directory", file=sys.stderr)
-    sys.exit(2)
-
-
-def run_lock_or_exit(workdir: pathlib.Path, process_id: int) -> RunLock:
-    try:
-        return RunLock(workdir, process_id).acquire()
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

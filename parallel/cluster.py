@@ -396,6 +396,20 @@ def place_or_exit(coordinator=None, num_processes=None, process_id=None,
         sys.exit(2)
 
 
+def default_workdir(name: str, place: Place) -> str:
+    """runs/<name>-<time>; the processes of a run must agree on it: runs/<name>-<job id> under
+    SLURM or Open MPI (a requeued job keeps its id, so it resumes), else --workdir (one line)."""
+    import sys
+    import time
+    if not place.multi:
+        return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if place.job_id:
+        return f"runs/{name}-{place.job_id}"
+    print(f"error: a run of {place.num_processes} processes ({place.environment}) needs "
+          f"--workdir: every process must write the same directory", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def one_process_or_exit(script: str) -> None:
     """For a script that runs as one process (evaluation, generation): launched as one of
     several (srun -n 4, mpirun -n 4), it would run n times over the same files; one line."""

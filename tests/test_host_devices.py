@@ -49,6 +49,11 @@ def test_simulates_on_a_cpu_and_appends_to_existing_flags(cpu_only):
     ({}, True),  # --coordinator / --num_processes / --process_id given
     ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, False),
     ({"JAX_NUM_PROCESSES": "2"}, False),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "1"}, False),  # srun -n 2: each process brings its own devices
+    ({"OMPI_MCA_orte_hnp_uri": "4096.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_RANK": "0"}, False),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1"}, False),  # a broken step: never simulate
 ])
 def test_leaves_xla_flags_alone(cpu_only, env, multi_process):
     before, said = dict(env), []

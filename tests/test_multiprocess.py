@@ -1,6 +1,8 @@
-"""Several processes, one run: the local launcher and the layout comparison script."""
+"""Several processes, one run: the local launcher, a dead or a stuck peer, and the layout
+comparison script (cluster launches: test_cluster.py)."""
 import json
 import os
+import pathlib
 import re
 import signal
 import statistics
@@ -25,20 +27,6 @@ def env():
     return e
 
 
-def test_two_process_launcher_trains_and_processes_agree(tmp_path):
-    cmd = [sys.executable, "scripts/launch_local.py", "--processes", "2", "--",
-           "train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "run"),
-           f"--config.data.cache_dir={tmp_path / 'cache'}", *SMALL]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    finals = dict(re.findall(r"\[p(\d)\] process \d/2: final loss ([0-9.]+)", proc.stdout))
-    assert set(finals) == {"0", "1"}, proc.stdout[-3000:]
-    assert finals["0"] == finals["1"]
-    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    assert f"{records[-1]['loss']:.6f}" == finals["0"]
-
-
 def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
     cmd = [sys.executable, "scripts/launch_local.py", "--processes", "2", "--",
            "train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "run"),
@@ -52,21 +40,38 @@ def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
 HEARTBEAT_S = 6
 
 
-def start_host(workdir, cache, port=None, i=0, devices=1) -> subprocess.Popen:
+def start_host(workdir, port=None, i=0, devices=1, extra=()) -> subprocess.Popen:
     """Process i of a two-process run, started as on its own host (its own process group); or,
     without a port, the same run in one process on ``devices`` simulated devices."""
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
            *SMALL, "--config.train.steps=8", "--config.checkpoint.every=2",
            "--config.train.eval_every=0", "--config.data.seq_len=128",
            "--config.attention.impl=dense", f"--config.data.cache_dir={ROOT}/.cache/data",
-           f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}"]
+           f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}", *extra]
     if port is not None:
         cmd += ["--coordinator", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)]
     host_env = dict(env(), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-                    PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(cache),
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+                    PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, cwd=ROOT, env=host_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The losses of the run the interrupted ones must reproduce: the same mesh in one process
+    (two-device sums are the same in any order). Started at once, read when first needed."""
+    workdir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    reference = start_host(workdir, devices=2)
+
+    def read():
+        assert reference.wait(timeout=300) == 0, reference.communicate()[1][-3000:]
+        return losses(workdir)
+    return read
+
+
+def newest_complete_step(ckpt) -> int:
+    return max(int(p.name) for p in ckpt.iterdir()
+               if p.name.isdigit() and (p / "commit_success.txt").is_file())
 
 
 def losses(workdir) -> dict[int, float]:
@@ -74,16 +79,17 @@ def losses(workdir) -> dict[int, float]:
             for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_path):
+def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_path,
+                                                                          uninterrupted):
     """Process 1's host dies (SIGKILL of its process group) after step 5. Process 0 exits within
     distributed.heartbeat_timeout_s, code 3, with one line on stderr naming process 1 and the
     newest complete checkpoint (the native detail goes to WORKDIR/logs). The same command on
     both hosts resumes from that checkpoint, and the whole curve is that of an uninterrupted
     run (the same mesh in one process: two-device sums are the same in any order)."""
     from parallel.distributed import free_port
-    workdir, cache = tmp_path / "run", tmp_path / "jax_cache"
+    workdir = tmp_path / "run"
     port = free_port()
-    hosts = [start_host(workdir, cache, port, i) for i in (0, 1)]
+    hosts = [start_host(workdir, port, i) for i in (0, 1)]
     metrics = workdir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
@@ -91,15 +97,12 @@ def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_pa
         time.sleep(0.05)
     killed = time.monotonic()
     os.killpg(hosts[1].pid, signal.SIGKILL)  # the host: its process and the training it watches
-    # The uninterrupted run to compare with, while the survivor waits out the heartbeats.
-    reference = start_host(tmp_path / "uninterrupted", cache, devices=2)
     code = hosts[0].wait(timeout=HEARTBEAT_S + 60)
     took = time.monotonic() - killed
     err = hosts[0].communicate()[1]
     hosts[1].wait()
     ckpt = workdir / "checkpoints"
-    step = max(int(p.name) for p in ckpt.iterdir()
-               if p.name.isdigit() and (p / "commit_success.txt").is_file())
+    step = newest_complete_step(ckpt)
     assert code == 3 and took < HEARTBEAT_S + 10, (code, took, err[-3000:])
     assert err.splitlines() == [
         f"error: process 1 stopped answering (no heartbeat for distributed.heartbeat_timeout_s="
@@ -108,13 +111,65 @@ def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_pa
         f"{workdir / 'logs' / 'process0.log'})"]
     assert "stopped sending heartbeats" in (workdir / "logs" / "process0.log").read_text()
 
+    relaunch_and_compare(workdir, step, uninterrupted())
+
+
+def relaunch_and_compare(workdir, step, want):
+    """The same command on both hosts resumes from ``step`` and the whole curve is ``want``."""
+    from parallel.distributed import free_port
     port = free_port()
-    hosts = [start_host(workdir, cache, port, i) for i in (0, 1)]
+    hosts = [start_host(workdir, port, i) for i in (0, 1)]
     outs = [h.communicate(timeout=300) for h in hosts]
     assert [h.returncode for h in hosts] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    ckpt = workdir / "checkpoints"
     assert f"resuming from step {step} ({ckpt / str(step)})" in outs[0][0]
-    assert reference.wait(timeout=300) == 0, reference.communicate()[1][-3000:]
-    assert losses(workdir) == losses(tmp_path / "uninterrupted")
+    assert losses(workdir) == want
+
+
+STEP_TIMEOUT_S = 6
+
+
+def test_a_stuck_peer_ends_the_run_in_one_line_and_a_relaunch_resumes(tmp_path, uninterrupted):
+    """Process 1's host freezes (SIGSTOP of its process group) after step 5, its heartbeats
+    with it, but distributed.heartbeat_timeout_s is long: the step watchdog ends process 0
+    within distributed.step_timeout_s plus a few polls, code 4, with one line naming process 1
+    and the last step each process finished. The checkpoints stay whole; after the frozen host
+    is killed (as srun --kill-on-bad-exit would), the same command resumes exactly."""
+    from parallel.distributed import free_port
+    workdir = tmp_path / "run"
+    port = free_port()
+    extra = ["--config.distributed.heartbeat_timeout_s=120",
+             f"--config.distributed.step_timeout_s={STEP_TIMEOUT_S}"]
+    hosts = [start_host(workdir, port, i, extra=extra) for i in (0, 1)]
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
+        assert hosts[0].poll() is None and time.monotonic() < deadline, hosts[0].poll()
+        time.sleep(0.05)
+    stopped = time.monotonic()
+    # The host's training process (its watcher's child, in a process group of its own) freezes.
+    child = int(pathlib.Path(f"/proc/{hosts[1].pid}/task/{hosts[1].pid}/children").read_text())
+    os.killpg(child, signal.SIGSTOP)
+    try:
+        code = hosts[0].wait(timeout=STEP_TIMEOUT_S + 60)
+        took = time.monotonic() - stopped
+        err = hosts[0].communicate()[1]
+    finally:
+        os.killpg(hosts[1].pid, signal.SIGKILL)
+        hosts[1].wait()
+    ckpt = workdir / "checkpoints"
+    step = newest_complete_step(ckpt)
+    assert code == 4 and took < STEP_TIMEOUT_S + 20, (code, took, err[-3000:])
+    lines = err.splitlines()
+    assert len(lines) == 1, err[-3000:]
+    m = re.fullmatch(
+        rf"error: no step finished for \d+ s \(distributed.step_timeout_s={STEP_TIMEOUT_S}\): "
+        rf"process 1 stopped answering \(no progress report for 2.5 s: stopped, frozen or cut "
+        rf"off\); last step finished: process 0: (\d+), process 1: (\d+); newest complete "
+        rf"checkpoint: step {step} \({re.escape(str(ckpt / str(step)))}\); rerun the same command "
+        rf"on every host to resume", lines[0])
+    assert m and 5 <= int(m.group(1)) <= 8 and 4 <= int(m.group(2)) <= 8, lines[0]
+    relaunch_and_compare(workdir, step, uninterrupted())
 
 
 @pytest.mark.parametrize("mask,window", [("off", 40), ("on", 0)])

@@ -53,6 +53,8 @@ def test_tiny_config_is_valid_on_8_devices():
     ({"train__max_rollbacks": -1}, 8, "train.max_rollbacks=-1 must be >= 0"),
     ({"data__bad_records": "drop"}, 8, "data.bad_records='drop' is not one of stop, skip"),
     ({"distributed__heartbeat_timeout_s": 0}, 8, "distributed.heartbeat_timeout_s=0 must be >= 1"),
+    ({"distributed__init_timeout_s": 0}, 8, "distributed.init_timeout_s=0 must be >= 1 (seconds)"),
+    ({"distributed__step_timeout_s": -1.0}, 8, "distributed.step_timeout_s=-1.0 must be >= 0 (seconds; 0: automatic)"),
     ({}, 1, "has 8 devices but 1 are available"),
     ({"attention__kernel": "triton"}, 8, "attention.kernel='triton' is not one of auto, xla, pallas_gpu, pallas_tpu"),
     ({"attention__kernel": "pallas_gpu", "attention__pallas_block_q": 48}, 8, "attention.pallas_block_q=48 does not divide the per-device chunk of 128 tokens"),

@@ -76,3 +76,12 @@ class RunLock:
     def __exit__(self, *exc):
         self.release()
         return False
+
+
+def hold_or_exit(workdir: pathlib.Path, process_id: int) -> RunLock:
+    """The held lock for an entry point; a directory in use is one line, exit 2."""
+    try:
+        return RunLock(workdir, process_id).acquire()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
