@@ -217,6 +217,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
             if last:
                 stopped = step if stopping else None
                 break
+        watchdog.disarm()
         if stopped is not None:
             save(stopped, force=True)
             ckpts.wait()
@@ -224,7 +225,6 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
                       f"{ckpts.path(stopped)}; run the same command to resume")
         else:
             if t.steps > start:
-                watchdog.beat()
                 do_eval(t.steps)
             save(t.steps, force=True)
             ckpts.wait()

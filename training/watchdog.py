@@ -82,6 +82,13 @@ class StepWatchdog:
             if self._progress_at is not None:
                 self._progress_at = time.monotonic()
 
+    def disarm(self) -> None:
+        """For the run's last save: the processes leave the loop at different times, and a
+        save of a large model can outlast the timeout (orbax's own barriers time out)."""
+        with self._lock:
+            self._progress_at = None
+            self._pending.clear()
+
     def __enter__(self):
         self._thread.start()
         return self
@@ -206,6 +213,9 @@ class NoWatchdog:
     """One process: nothing to wait for."""
 
     def dispatched(self, step, output):
+        pass
+
+    def disarm(self):
         pass
 
     def beat(self):
