@@ -12,10 +12,12 @@ Precedence, field by field: the flags (``--coordinator``, ``--num_processes``,
   ``SLURM_STEP_NODELIST``) is not a step: it runs as one process;
 - Open MPI (``mpirun``): ``OMPI_COMM_WORLD_SIZE/RANK/LOCAL_RANK/LOCAL_SIZE``; the coordinator
   is the launcher's address in ``OMPI_MCA_orte_hnp_uri``, port ``jobid / 4096 % 4096 + 61440``;
-- Kubernetes (an Indexed Job or a JobSet, from the environment alone): ``JOB_COMPLETION_INDEX``
-  is the process; the count comes from ``JAX_NUM_PROCESSES`` (the manifest sets it); the
-  coordinator is pod 0 of the job, ``<job>-0.<subdomain>:55527``, found from ``HOSTNAME``
-  (``<job>-<index>``) and the pod's DNS name, unless ``JAX_COORDINATOR_ADDRESS`` says it.
+- Kubernetes (an Indexed Job, or a JobSet of one child Job, from the environment alone):
+  ``JOB_COMPLETION_INDEX`` is the process; the count comes from ``JAX_NUM_PROCESSES`` (the
+  manifest sets it); the coordinator is pod 0 of the job, ``<job>-0.<subdomain>:55527``, found
+  from ``HOSTNAME`` (``<job>-<index>``) and the pod's DNS name, unless
+  ``JAX_COORDINATOR_ADDRESS`` says it (a JobSet of several child Jobs needs it, and
+  ``JAX_PROCESS_ID``: each child Job counts its pods from 0).
 
 ``JAX_COORDINATOR_PORT`` overrides a cluster's port, as in JAX. The coordinator rules are JAX's
 own (``jax/_src/clusters``); tests/test_cluster.py checks them against it, so a JAX change

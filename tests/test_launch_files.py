@@ -23,8 +23,11 @@ FAKE_SRUN = r"""#!/bin/bash
 printf '%s\n' "$@" '' >> "$FAKE_DIR/srun.argv"
 echo $$ > "$FAKE_DIR/srun.pid"
 if [[ $FAKE_SRUN_EXIT == wait ]]; then
-    trap 'echo TERM >> "$FAKE_DIR/srun.signals"; exit 0' TERM
-    sleep 30 & wait $!
+    trap 'echo TERM >> "$FAKE_DIR/srun.signals"; kill $sleeper; exit 0' TERM
+    sleep 30 >/dev/null 2>&1 &
+    sleeper=$!
+    echo $sleeper > "$FAKE_DIR/sleep.pid"
+    wait $sleeper
     exit 99  # no TERM came
 fi
 exit "$FAKE_SRUN_EXIT"
@@ -139,12 +142,11 @@ def start_waiting(env):
     p = subprocess.Popen(["bash", str(SBATCH), "--config.train.steps=5"], cwd=ROOT,
                          env={**env, "FAKE_SRUN_EXIT": "wait"}, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-    pid_file = pathlib.Path(env["FAKE_DIR"]) / "srun.pid"
+    pid_file = pathlib.Path(env["FAKE_DIR"]) / "sleep.pid"  # written after the TERM trap is set
     deadline = time.monotonic() + 10
     while not (pid_file.exists() and pid_file.read_text().strip()):
         assert p.poll() is None and time.monotonic() < deadline, "the fake srun never started"
         time.sleep(0.02)
-    time.sleep(0.1)  # the fake's TERM trap is set right after it writes its pid
     return p
 
 
@@ -177,6 +179,7 @@ def test_sbatch_cancel_does_not_requeue(fakes, tmp_path):
     p.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     os.kill(int((tmp_path / "srun.pid").read_text()), signal.SIGKILL)
+    os.kill(int((tmp_path / "sleep.pid").read_text()), signal.SIGKILL)
     code, out = finish(p)
     assert calls(tmp_path, "scontrol") == [] and calls(tmp_path, "scancel") == [], out
     assert code == 137 and "not requeueing: the job was cancelled" in out, out

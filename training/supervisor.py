@@ -10,7 +10,10 @@ runs the training in a child process whose native stderr (glog, gloo, faulthandl
 parent imports nothing heavy, forwards SIGTERM/SIGINT, and turns an abnormal end of the child
 into one line: which process stopped answering, the newest complete checkpoint, and that the
 same command on every host resumes. Checkpoints are whole or absent (orbax renames a finished
-write into place), so the newest complete one is always a step directory with its marker.
+write into place), so the newest complete one is always a step directory with its marker. A
+run whose processes never all joined (``distributed.init_timeout_s``) ends the same way, its
+line naming the coordinator and where its address came from. A stuck run is the child's own
+to report (training/watchdog.py, exit code STUCK), as are its user errors.
 """
 from __future__ import annotations
 
