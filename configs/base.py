@@ -168,7 +168,8 @@ def get_config() -> ml_collections.ConfigDict:
     # A process that is alive but stuck (a deadlock, a hung file system, a collective that
     # never completes) keeps its heartbeat: when no train step finishes for this long, every
     # process ends in one line naming it (training/watchdog.py). 0: the larger of 10 minutes
-    # and 20 median step times. The first step (its compile) is not timed.
+    # and 20 median step times. The first step (it compiles) gets the larger of 30 minutes and
+    # three timeouts, an evaluation or a save three timeouts.
     c.distributed.step_timeout_s = 0.0
 
     c.wandb = w = ml_collections.ConfigDict()

@@ -32,6 +32,8 @@ import ipaddress
 import os
 import re
 import socket
+import sys
+import time
 
 from errors import ClusterError, ConfigError
 
@@ -91,7 +93,8 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None,
             got[field] = (value if field == "coordinator" else _int(name, value), name)
     environment = ("flags" if any(v[1].startswith("--") for v in got.values())
                    else "JAX_* variables" if got else None)
-    found = next((f for c in (_slurm, _openmpi, _kubernetes, _tpu_pod)
+    # A TPU pod first: GKE's TPU JobSets also set JOB_COMPLETION_INDEX (JAX checks it first too).
+    found = next((f for c in (_tpu_pod, _slurm, _openmpi, _kubernetes)
                   if (f := c(environ)) is not None), None)
     extra = {}
     if found is not None:
@@ -346,39 +349,11 @@ def check_reachable(place: Place, resolve_host=socket.gethostbyname,
             f"other hosts reach (JAX_COORDINATOR_ADDRESS), or fix /etc/hosts")
 
 
-def local_device_ids(place: Place, visible: list[str] | None,
-                     bound_per_task: bool = False) -> list[int] | None:
-    """Which of this host's visible GPUs (indices into ``visible``) this process drives: all of
-    them with one process per host, or an even share with one per GPU (or per few GPUs), as the
-    node's tasks are numbered. None: every visible device (one task on the host, no GPUs seen,
-    or the launcher already gave each task its own, fewer than the tasks)."""
-    if not visible or place.local_size <= 1 or bound_per_task or len(visible) < place.local_size:
-        return None
-    if len(visible) % place.local_size:
-        raise ClusterError(f"{len(visible)} GPUs visible to {place.local_size} tasks on this "
-                           f"host: they do not split evenly; launch a number of tasks per host "
-                           f"that divides the GPUs (one per GPU, or one per host)")
-    share = len(visible) // place.local_size
-    return list(range(place.local_rank * share, (place.local_rank + 1) * share))
-
-
-def visible_gpus(environ=os.environ) -> list[str]:
-    """The GPUs this process may see before jax starts, as CUDA_VISIBLE_DEVICES names them:
-    its entries when set, else the numbers of the NVIDIA device files."""
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    try:
-        found = (re.fullmatch(r"nvidia(\d+)", f) for f in os.listdir("/dev"))
-        return [str(n) for n in sorted(int(m.group(1)) for m in found if m)]
-    except OSError:
-        return []
-
-
 def check_timeouts(d) -> None:
     """The ``distributed`` config fields, checked before jax starts (they are used then)."""
     for name, low in (("heartbeat_timeout_s", 1), ("init_timeout_s", 1), ("step_timeout_s", 0)):
         value = d[name]
-        if not isinstance(value, (int, float)) or value < low:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
             raise ConfigError(f"distributed.{name}={value!r} must be >= {low} (seconds"
                               f"{'; 0: automatic' if low == 0 else ''})")
 
@@ -386,7 +361,6 @@ def check_timeouts(d) -> None:
 def place_or_exit(coordinator=None, num_processes=None, process_id=None,
                   distributed=None) -> Place:
     """``resolve`` for an entry point: a launch that cannot be resolved is one line, exit 2."""
-    import sys
     try:
         if distributed is not None:
             check_timeouts(distributed)
@@ -401,8 +375,6 @@ def place_or_exit(coordinator=None, num_processes=None, process_id=None,
 def default_workdir(name: str, place: Place) -> str:
     """runs/<name>-<time>; the processes of a run must agree on it: runs/<name>-<job id> under
     SLURM or Open MPI (a requeued job keeps its id, so it resumes), else --workdir (one line)."""
-    import sys
-    import time
     if not place.multi:
         return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if place.job_id:
@@ -415,7 +387,6 @@ def default_workdir(name: str, place: Place) -> str:
 def one_process_or_exit(script: str) -> None:
     """For a script that runs as one process (evaluation, generation): launched as one of
     several (srun -n 4, mpirun -n 4), it would run n times over the same files; one line."""
-    import sys
     try:
         place = resolve()
     except ClusterError as e:
@@ -423,7 +394,12 @@ def one_process_or_exit(script: str) -> None:
         problem = str(e)
     if place is not None and not place.multi:
         return
-    what = problem if place is None else place.describe()
-    print(f"error: {script} runs as one process, but this launch is one of several ({what}); "
-          f"launch it once (srun -n 1, no mpirun)", file=sys.stderr, flush=True)
+    if place is None:
+        print(f"error: {script} runs as one process, and this launch looks like one of several "
+              f"but cannot be read ({problem}); launch it once (srun -n 1, no mpirun)",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"error: {script} runs as one process, but this launch is one of several "
+              f"({place.describe()}); launch it once (srun -n 1, no mpirun)",
+              file=sys.stderr, flush=True)
     sys.exit(2)

@@ -28,8 +28,7 @@ def initialize(place, heartbeat_timeout_s: int = 100, init_timeout_s: int = 300)
         return ""
     import jax
 
-    from parallel.cluster import local_device_ids, visible_gpus
-    from parallel.host_devices import on_cpu
+    from parallel.host_devices import local_device_ids, on_cpu, visible_gpus
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # ignored by GPU/TPU clients
     timeouts = dict(initialization_timeout=int(init_timeout_s),
                     heartbeat_timeout_seconds=int(heartbeat_timeout_s))
@@ -39,7 +38,8 @@ def initialize(place, heartbeat_timeout_s: int = 100, init_timeout_s: int = 300)
         # Ours resolved every field, so JAX's own detection stays off: it would give a process
         # of a one-per-host launch only GPU 0 (SLURM_LOCALID), not the host's share.
         ids = None if on_cpu() else local_device_ids(
-            place, visible_gpus(), bound_per_task=bool(os.environ.get("SLURM_GPUS_PER_TASK")))
+            place.local_rank, place.local_size, visible_gpus(),
+            bound_per_task=bool(os.environ.get("SLURM_GPUS_PER_TASK")))
         jax.distributed.initialize(place.coordinator, num_processes=place.num_processes,
                                    process_id=place.process_id, local_device_ids=ids,
                                    cluster_detection_method="deactivate", **timeouts)
@@ -150,10 +150,9 @@ def spawn_local(argv: list[str], processes: int, devices_per_process: int = 1,
             cmd += ["--coordinator", f"127.0.0.1:{port}", "--num_processes", str(processes),
                     "--process_id", str(i)]
             if platform == "gpu":
-                from parallel.cluster import Place, local_device_ids, visible_gpus
+                from parallel.host_devices import local_device_ids, visible_gpus
                 gpus = visible_gpus()
-                ids = local_device_ids(Place("local", processes, i, local_rank=i,
-                                             local_size=processes), gpus)
+                ids = local_device_ids(i, processes, gpus)
                 own["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[k] for k in (ids or range(len(gpus))))
         if platform == "cpu" and cores and shutil.which("taskset"):
             cmd = ["taskset", "-c", str(cores[i % len(cores)]), *cmd]

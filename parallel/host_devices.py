@@ -1,4 +1,5 @@
-"""Simulated CPU devices for a config's mesh, decided before jax starts (imports no jax).
+"""A process's devices, decided before jax starts (imports no jax): simulated CPU devices for a
+config's mesh, and the share of a host's GPUs a process drives when a host runs several.
 
 A config names a mesh of N devices; a CPU has one device unless XLA_FLAGS carries
 ``--xla_force_host_platform_device_count=N``, which XLA reads once, when jax starts. So the
@@ -24,6 +25,9 @@ import json
 import math
 import os
 import pathlib
+import re
+
+from errors import ClusterError
 
 AXES = ("data", "fsdp", "sequence", "tensor")  # parallel.mesh.AXES; that module imports jax
 FLAG = "--xla_force_host_platform_device_count"
@@ -89,3 +93,34 @@ def simulate_for_run(run_dir, *, environ=os.environ, say=None) -> int:
         return 0
     return simulate_for_mesh({k: v for k, v in mesh.items() if isinstance(v, int)},
                              environ=environ, say=say)
+
+
+def local_device_ids(local_rank: int, local_size: int, visible: list[str] | None,
+                     bound_per_task: bool = False) -> list[int] | None:
+    """Which of this host's visible GPUs (indices into ``visible``) task ``local_rank`` of the
+    host's ``local_size`` drives: all of them with one task per host, or an even share with one
+    per GPU (or per few GPUs). None: every visible device (one task on the host, no GPUs seen,
+    or the launcher already gave each task its own: SLURM_GPUS_PER_TASK, or one visible GPU)."""
+    if not visible or local_size <= 1 or bound_per_task or len(visible) == 1:
+        return None
+    if len(visible) < local_size:
+        raise ClusterError(f"{len(visible)} GPUs visible to {local_size} tasks on this "
+                           f"host: fewer GPUs than tasks; launch at most one task per GPU")
+    if len(visible) % local_size:
+        raise ClusterError(f"{len(visible)} GPUs visible to {local_size} tasks on this "
+                           f"host: they do not split evenly; launch a number of tasks per host "
+                           f"that divides the GPUs (one per GPU, or one per host)")
+    share = len(visible) // local_size
+    return list(range(local_rank * share, (local_rank + 1) * share))
+
+
+def visible_gpus(environ=os.environ) -> list[str]:
+    """The GPUs this process may see before jax starts, as CUDA_VISIBLE_DEVICES names them:
+    its entries when set, else the numbers of the NVIDIA device files."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        found = (re.fullmatch(r"nvidia(\d+)", f) for f in os.listdir("/dev"))
+        return [str(n) for n in sorted(int(m.group(1)) for m in found if m)]
+    except OSError:
+        return []

@@ -34,7 +34,7 @@ def main():
     if not program:
         p.error("give the program after --, e.g. -- train.py --config configs/tiny.py")
     if not args.processes:
-        from parallel.cluster import visible_gpus
+        from parallel.host_devices import visible_gpus
         args.processes = len(visible_gpus()) if args.platform == "gpu" else 2
     if args.processes < 1:
         p.error(f"--processes must be >= 1, got {args.processes}"

@@ -14,8 +14,9 @@ from unittest import mock
 import pytest
 
 from errors import ClusterError
-from parallel.cluster import (Place, check_reachable, expand_nodelist, local_device_ids, resolve,
+from parallel.cluster import (K8S_PORT, Place, check_reachable, expand_nodelist, resolve,
                               tasks_per_node)
+from parallel.host_devices import local_device_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,6 +122,11 @@ def test_places_and_precedence():
         "Kubernetes", 2, 4, "train-0.trainers:55527")
     p = resolve(environ=k8s(i=2, JAX_COORDINATOR_ADDRESS="js-w-0-0.js:8476"), fqdn="nothing")
     assert p.coordinator == "js-w-0-0.js:8476"  # XPK's form wins
+    from jax._src.clusters.k8s_cluster import K8sCluster
+    assert K8S_PORT == int(K8sCluster._coordinator_port)
+    # GKE's TPU JobSets set JOB_COMPLETION_INDEX too: a TPU pod is JAX's to detect.
+    p = resolve(environ={**k8s(i=1, n=2), "TPU_WORKER_HOSTNAMES": "t0,t1", "TPU_WORKER_ID": "1"})
+    assert (p.environment, p.process_id, p.num_processes) == ("TPU pod", 1, 2)
 
 
 def test_one_process_places():
@@ -189,17 +195,33 @@ def test_a_loopback_coordinator_is_refused_for_a_run_across_hosts():
     (0, 4, [], False, None),  # no GPU seen: the CPU
 ])
 def test_one_process_per_gpu_or_per_host(rank, size, visible, bound, ids):
-    place = Place("SLURM", 16, 0, "h:1", local_rank=rank, local_size=size)
-    assert local_device_ids(place, visible, bound) == ids
+    assert local_device_ids(rank, size, visible, bound) == ids
 
 
-def test_gpus_that_do_not_split_over_the_tasks_are_one_line():
-    with pytest.raises(ClusterError, match="6 GPUs visible to 4 tasks on this host"):
-        local_device_ids(Place("SLURM", 8, 0, "h:1", local_rank=0, local_size=4), list("012345"))
+@pytest.mark.parametrize("visible,message", [
+    ("012345", "6 GPUs visible to 4 tasks on this host: they do not split evenly"),
+    ("01", "2 GPUs visible to 4 tasks on this host: fewer GPUs than tasks"),
+])
+def test_gpus_that_do_not_split_over_the_tasks_are_one_line(visible, message):
+    with pytest.raises(ClusterError, match=message):
+        local_device_ids(0, 4, list(visible))
+
+
+def test_launch_local_gives_each_gpu_process_its_share(tmp_path):
+    """--platform gpu without a cluster: each process sees its share as CUDA_VISIBLE_DEVICES."""
+    show = tmp_path / "show.py"
+    show.write_text("import os, sys\nprint('visible', os.environ['CUDA_VISIBLE_DEVICES'], "
+                    "sys.argv[sys.argv.index('--process_id') + 1])\n")
+    proc = subprocess.run(
+        [sys.executable, "scripts/launch_local.py", "--platform", "gpu", "--processes", "2", "--",
+         str(show)], cwd=ROOT, env={**env(), "CUDA_VISIBLE_DEVICES": "3,5,6,7"},
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[p0] visible 3,5 0", "[p1] visible 6,7 1"]
 
 
 # -- launches on this machine -----------------------------------------------------------------
-SMALL = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
+SMALL = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=0",
          "--config.data.max_docs=120", "--config.model.vocab_size=512", "--config.data.batch_size=2",
          "--config.data.seq_len=256", "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
 
@@ -260,8 +282,10 @@ def test_a_cluster_launch_needs_no_flags_and_trains_as_one_run(tmp_path, flagged
     assert records(tmp_path / "run") == [
         {**r, "tokens_per_s": mine["tokens_per_s"], "mfu": mine["mfu"]}
         for r, mine in zip(records(flagged[0] / "run"), records(tmp_path / "run"))]
-    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == [
-        "process0.log", "process1.log"]
+    logs = tmp_path / "run" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "process0.exit", "process0.log", "process1.exit", "process1.log"]
+    assert [(logs / f"process{i}.exit").read_text() for i in (0, 1)] == ["0\n", "0\n"]
 
 
 def test_a_host_that_never_arrives_ends_the_run_in_one_line(tmp_path):

@@ -30,6 +30,9 @@ if [[ $FAKE_SRUN_EXIT == wait ]]; then
     wait $sleeper
     exit 99  # no TERM came
 fi
+if [[ -n ${FAKE_TASK_EXIT:-} ]]; then  # one task's own code, as its watcher leaves it
+    mkdir -p "$WORKDIR/logs" && echo "$FAKE_TASK_EXIT" > "$WORKDIR/logs/process1.exit"
+fi
 exit "$FAKE_SRUN_EXIT"
 """
 # Stands in for SLURM delivering `scancel --signal=TERM JOB` to the job's steps: the tasks.
@@ -127,6 +130,19 @@ def test_sbatch_requeues(fakes, tmp_path, code, restarts, requeued):
     if requeued:
         assert f"(restart {int(restarts) + 1} of 3)" in decision[0]
     assert calls(tmp_path, "scancel") == []
+
+
+@pytest.mark.parametrize("task,requeued", [("2", False), ("1", False), ("3", True)])
+def test_sbatch_reads_a_failed_task_behind_the_killed_ones(fakes, tmp_path, task, requeued):
+    """A task exits 2 (a user error), --kill-on-bad-exit kills the others, srun reports 137:
+    the task's own code decides. A stale file from an earlier attempt is removed first."""
+    workdir = tmp_path / "w"
+    (workdir / "logs").mkdir(parents=True)
+    (workdir / "logs" / "process0.exit").write_text("2\n")  # the previous attempt's
+    r = run_sbatch(fakes, FAKE_SRUN_EXIT="137", FAKE_TASK_EXIT=task, WORKDIR=str(workdir))
+    assert not (workdir / "logs" / "process0.exit").exists()
+    assert calls(tmp_path, "scontrol") == ([["requeue", JOB_ID]] if requeued else []), r.stdout
+    assert r.returncode == (0 if requeued else int(task)), r.stdout
 
 
 def test_sbatch_max_requeues_knob(fakes, tmp_path):

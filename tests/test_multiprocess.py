@@ -132,7 +132,7 @@ STEP_TIMEOUT_S = 6
 def test_a_stuck_peer_ends_the_run_in_one_line_and_a_relaunch_resumes(tmp_path, uninterrupted):
     """Process 1's host freezes (SIGSTOP of its process group) after step 5, its heartbeats
     with it, but distributed.heartbeat_timeout_s is long: the step watchdog ends process 0
-    within distributed.step_timeout_s plus a few polls, code 4, with one line naming process 1
+    within distributed.step_timeout_s (three of them in a save) plus a few polls, code 4, with one line naming process 1
     and the last step each process finished. The checkpoints stay whole; after the frozen host
     is killed (as srun --kill-on-bad-exit would), the same command resumes exactly."""
     from parallel.distributed import free_port
@@ -151,7 +151,7 @@ def test_a_stuck_peer_ends_the_run_in_one_line_and_a_relaunch_resumes(tmp_path, 
     child = int(pathlib.Path(f"/proc/{hosts[1].pid}/task/{hosts[1].pid}/children").read_text())
     os.killpg(child, signal.SIGSTOP)
     try:
-        code = hosts[0].wait(timeout=STEP_TIMEOUT_S + 60)
+        code = hosts[0].wait(timeout=3 * STEP_TIMEOUT_S + 60)
         took = time.monotonic() - stopped
         err = hosts[0].communicate()[1]
     finally:
@@ -159,7 +159,8 @@ def test_a_stuck_peer_ends_the_run_in_one_line_and_a_relaunch_resumes(tmp_path, 
         hosts[1].wait()
     ckpt = workdir / "checkpoints"
     step = newest_complete_step(ckpt)
-    assert code == 4 and took < STEP_TIMEOUT_S + 20, (code, took, err[-3000:])
+    # Within three timeouts (it may freeze during a save, which gets three) and a few polls.
+    assert code == 4 and took < 3 * STEP_TIMEOUT_S + 20, (code, took, err[-3000:])
     lines = err.splitlines()
     assert len(lines) == 1, err[-3000:]
     m = re.fullmatch(
@@ -168,7 +169,8 @@ def test_a_stuck_peer_ends_the_run_in_one_line_and_a_relaunch_resumes(tmp_path, 
         rf"off\); last step finished: process 0: (\d+), process 1: (\d+); newest complete "
         rf"checkpoint: step {step} \({re.escape(str(ckpt / str(step)))}\); rerun the same command "
         rf"on every host to resume", lines[0])
-    assert m and 5 <= int(m.group(1)) <= 8 and 4 <= int(m.group(2)) <= 8, lines[0]
+    # Process 1's last report may be a few steps old: it froze between two of them.
+    assert m and 5 <= int(m.group(1)) <= 8 and 1 <= int(m.group(2)) <= int(m.group(1)), lines[0]
     relaunch_and_compare(workdir, step, uninterrupted())
 
 

@@ -14,6 +14,8 @@ class Store:
         self.kv = {}
 
     def key_value_set(self, key, value, allow_overwrite=False):
+        if key in self.kv and not allow_overwrite:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
         self.kv[key] = value
 
     def key_value_try_get(self, key):
@@ -131,25 +133,52 @@ def test_steps_that_keep_finishing_never_end_the_run():
         for s in range(1, 30):
             w.dispatched(s, Output())
             time.sleep(0.05)  # 1.5 s of steady progress, five timeouts long
-    assert ended == [] and said == []
-    assert json.loads(store.kv[PREFIX + "0"])["finished"] == 29
+    assert ended == [] and said == [] and w.finished == 29
+    assert 0 < json.loads(store.kv[PREFIX + "0"])["finished"] <= 29
 
 
-def test_the_first_step_and_the_last_save_are_not_timed():
+def test_the_first_step_and_pauses_get_three_timeouts_and_the_last_save_none(monkeypatch):
+    import training.watchdog as wd
+    monkeypatch.setattr(wd, "FIRST_STEP_MIN_S", 0.0)  # the first step: three timeouts (0.6 s)
     store = Store()
     w, said, ended = watchdog(store, timeout_s=0.2)
     with w:
-        w.dispatched(1, Output(ready=False))  # the compile: not armed yet
-        time.sleep(0.6)
+        first = Output(ready=False)
+        w.dispatched(1, first)  # the compile
+        time.sleep(0.4)
         assert ended == []
-        w.dispatched(1, Output())
+        first.ready = True
+        w.dispatched(2, Output())
+        while w.finished < 2:
+            time.sleep(0.01)
+        with w.paused():  # an evaluation or a save that outlasts the timeout, not three
+            time.sleep(0.4)
+        assert ended == []
+        w.dispatched(3, Output(ready=False))
         w.disarm()  # the run's last save
-        time.sleep(0.6)
+        time.sleep(0.5)
     assert ended == [] and said == []
+    w, said, ended = watchdog(store, timeout_s=0.2)  # a pause that never ends: it ends
+    with w.paused():
+        start = time.monotonic()
+        assert run_until_ended(w, ended, 2) == [STUCK]
+    assert time.monotonic() - start >= 0.6
+
+
+def test_of_two_processes_that_decide_at_once_the_first_line_wins():
+    """Both read the store before either wrote: the second to write ends with the first's."""
+    store = Store()
+    first, _, _ = watchdog(store, pid=0)
+    second, _, _ = watchdog(store, pid=1)
+    assert first._claim("process 2 is stuck, says 0") == "process 2 is stuck, says 0"
+    assert second._claim("process 2 is stuck, says 1") == "process 2 is stuck, says 0"
+    assert store.kv[STUCK_KEY] == "process 2 is stuck, says 0"
 
 
 def test_the_automatic_timeout():
     w, _, _ = watchdog(Store(), timeout_s=0)
+    assert w.timeout() == 1800.0  # the first step compiles
+    w._first = False
     assert w.timeout() == 600.0
     w._rates.extend([40.0, 50.0, 45.0])
     assert w.timeout() == 900.0  # 20 median steps

@@ -13,7 +13,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def main_with_errors(config, workdir, place) -> int:
     from parallel.distributed import initialize, is_peer_error
     d = config.distributed
-    line = initialize(place, d.heartbeat_timeout_s, d.init_timeout_s)
+    try:  # a host's GPUs that do not split over its tasks: one line
+        line = initialize(place, d.heartbeat_timeout_s, d.init_timeout_s)
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if line:
         print(line, flush=True)
     import jax

@@ -203,17 +203,18 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
             if bad is None and (last or periodic):
                 bad = first_bad()
             if bad is not None:
-                step, state = divergence.handle(bad, step)
+                with watchdog.paused():
+                    step, state = divergence.handle(bad, step)
                 watchdog.restart(step)
                 forget_after(workdir, step)  # the steps after it are trained again
                 pending, clock, t_first = None, None, time.perf_counter()
                 continue
             if periodic and step != t.steps:
-                save(step)
-                watchdog.beat()
+                with watchdog.paused():  # may wait for the previous save to finish
+                    save(step)
             if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                do_eval(step)
-                watchdog.beat()
+                with watchdog.paused():
+                    do_eval(step)
             if last:
                 stopped = step if stopping else None
                 break

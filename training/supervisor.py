@@ -36,12 +36,27 @@ PEER_LOST = 3  # the exit code of a run ended by a lost peer
 def supervise(argv: list[str], workdir: pathlib.Path, place, distributed) -> int:
     """Runs ``python argv`` (train.py's own command line) as the watched child; its exit code,
     or PEER_LOST with the one line when it ended abnormally. ``place`` is the process's place
-    in the run (parallel/cluster.py), ``distributed`` the config's timeouts."""
+    in the run (parallel/cluster.py), ``distributed`` the config's timeouts. The code is also
+    left in ``WORKDIR/logs/process<i>.exit``: srun reports only the highest code of its tasks,
+    and with --kill-on-bad-exit a task's 2 (a user error) shows as the others' 137 (killed),
+    so scripts/slurm/train.sbatch reads these to decide whether to requeue."""
     process_id = place.process_id
     workdir = workdir.absolute()
     log = workdir / "logs" / f"process{process_id}.log"
+    exit_file = log.with_suffix(".exit")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")  # this launch's native output only
+    exit_file.unlink(missing_ok=True)
+    code = _watch(argv, workdir, place, distributed, log)
+    try:
+        exit_file.write_text(f"{code}\n")
+    except OSError:
+        pass  # the exit code itself still says it
+    return code
+
+
+def _watch(argv, workdir, place, distributed, log) -> int:
+    process_id = place.process_id
     child = subprocess.Popen(
         [sys.executable, *argv, "--workdir", str(workdir)], env={**os.environ, LOG_ENV: str(log)},
         start_new_session=True, preexec_fn=_die_with_parent)  # its own group: we forward signals

@@ -15,13 +15,15 @@ When the timeout passes without a finished step, it reads every process's record
 - else every process waits inside the same step: a collective that never completed.
 The first process to decide writes the line to the store, and the others end with it.
 
-The timeout is armed after the first step (its compile is not timed); evaluation, saves and
-rollbacks count as progress. ``distributed.step_timeout_s=0`` means the larger of 10 minutes
-and 20 median step times.
+The first step (a compile, a restore behind it) gets the larger of 30 minutes and three
+timeouts, evaluations, saves and rollbacks three timeouts, and the run's last save is not
+timed (the processes leave the loop at different times). ``distributed.step_timeout_s=0`` means the
+larger of 10 minutes and 20 median step times.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -33,6 +35,7 @@ STUCK = 4  # the exit code of a run ended by a stuck process
 PREFIX = "stripedjax/progress/"
 STUCK_KEY = "stripedjax/stuck"
 MIN_AUTO_TIMEOUT_S = 600.0
+FIRST_STEP_MIN_S = 1800.0  # the first step compiles: a 7B model's compile takes minutes
 
 
 def kv_client():
@@ -56,9 +59,12 @@ class StepWatchdog:
         self._lock = threading.Lock()
         self.dispatched_steps = 0
         self.finished = 0
-        self._progress_at: float | None = None  # armed after the first finished step
+        self._first = True  # no step finished yet: the first-step bound applies
+        self._progress_at: float | None = time.monotonic()  # None: not timed
+        self._paused = 0
         self._rates: collections.deque = collections.deque(maxlen=200)  # seconds per step
         self._beat = 0
+        self._busy: set[str] = set()  # store calls still waiting for an answer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
 
@@ -68,17 +74,28 @@ class StepWatchdog:
             self._pending.append((step, output))
             self.dispatched_steps = step
 
-    def beat(self) -> None:
-        """Progress that is not a train step (an evaluation, a save, a rollback)."""
+    @contextlib.contextmanager
+    def paused(self):
+        """Work that is not a train step and may outlast a step's timeout (an evaluation, a
+        save, a rollback's restore): it gets three timeouts (a save that waits for a frozen
+        peer must still end the run), and the clock starts again when it is done."""
         with self._lock:
-            if self._progress_at is not None:
-                self._progress_at = time.monotonic()
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+                if self._progress_at is not None:
+                    self._progress_at = time.monotonic()
 
     def restart(self, step: int) -> None:
-        """After a rollback: the steps dispatched before it will never be read."""
+        """After a rollback: the steps dispatched before it will never be read, and the next
+        one compiles again."""
         with self._lock:
             self._pending.clear()
             self.dispatched_steps = self.finished = step
+            self._first = True
             if self._progress_at is not None:
                 self._progress_at = time.monotonic()
 
@@ -101,9 +118,13 @@ class StepWatchdog:
     # -- the watching thread --------------------------------------------------------------
     def timeout(self) -> float:
         if self.timeout_s > 0:
-            return self.timeout_s
-        median = statistics.median(self._rates) if self._rates else 0.0
-        return max(MIN_AUTO_TIMEOUT_S, 20 * median)
+            step = self.timeout_s
+        else:
+            median = statistics.median(self._rates) if self._rates else 0.0
+            step = max(MIN_AUTO_TIMEOUT_S, 20 * median)
+        if self._first:
+            return max(FIRST_STEP_MIN_S, 3 * step)
+        return 3 * step if self._paused else step
 
     def _poll_finished(self) -> None:
         now = time.monotonic()
@@ -112,37 +133,63 @@ class StepWatchdog:
             while self._pending and self._pending[0][1].is_ready():
                 self.finished = self._pending.popleft()[0]
             if self.finished > before:
-                if self._progress_at is not None:
+                if self._progress_at is not None and not self._first:
                     self._rates.append((now - self._progress_at) / (self.finished - before))
-                self._progress_at = now
+                if self._progress_at is not None:
+                    self._progress_at = now
+                self._first = False
+
+    def _since(self) -> float | None:
+        """Seconds without progress; None once disarmed."""
+        with self._lock:
+            if self._progress_at is None:
+                return None
+            return time.monotonic() - self._progress_at
 
     def _publish(self) -> None:
-        self._beat += 1
-        record = {"finished": self.finished, "dispatched": self.dispatched_steps,
-                  "beat": self._beat}
-        _call(lambda: self.client.key_value_set(
+        with self._lock:
+            self._beat += 1
+            record = {"finished": self.finished, "dispatched": self.dispatched_steps,
+                      "beat": self._beat}
+        self._call("publish", lambda: self.client.key_value_set(
             PREFIX + str(self.process_id), json.dumps(record), True), 5.0)
+
+    def _decided(self) -> str | None:
+        """The line another process decided, if one did."""
+        return self._call("decided", lambda: self.client.key_value_try_get(STUCK_KEY), 5.0)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             self._poll_finished()
             if self.client is not None:
                 self._publish()
-            with self._lock:
-                since = None if self._progress_at is None else time.monotonic() - self._progress_at
+            since = self._since()
             if since is None:
                 continue
-            if since > 2 * self.poll_s and self.client is not None:
-                line = _call(lambda: self.client.key_value_try_get(STUCK_KEY), 5.0)
-                if line:
-                    self._finish(line)
-            if since > self.timeout():
-                self._finish(self.diagnose(since))
+            line = self._decided() if since > 2 * self.poll_s and self.client else None
+            if line is None and since > self.timeout():
+                line = self.diagnose(since)
+                if self._since() is None or self._since() < since:
+                    continue  # a step finished while it looked
+                line = self._claim(line)
+            if line is not None:
+                self._finish(line)
+                return
+
+    def _claim(self, line: str) -> str:
+        """Writes this process's line unless another got there first: then theirs, so that
+        every process ends with the same one."""
+        if self.client is None:
+            return line
+        if self._call("claim", lambda: self.client.key_value_set(STUCK_KEY, line, False),
+                      5.0, ok=True):
+            return line
+        return self._decided() or line
 
     def records(self) -> dict[int, dict] | None:
         """Every process's last record, or None when the store does not answer (its host,
         process 0, is frozen or gone)."""
-        got = _call(lambda: self.client.key_value_dir_get(PREFIX), 10.0)
+        got = self._call("records", lambda: self.client.key_value_dir_get(PREFIX), 10.0)
         if got is None:
             return None
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in got}
@@ -177,9 +224,31 @@ class StepWatchdog:
         finished = ", ".join(f"process {p}: {latest[p]['finished']}" for p in sorted(latest))
         return f"{head}: {who}; last step finished: {finished}; {self.tail()}"
 
+    def _call(self, name: str, fn, timeout_s: float, ok: bool = False):
+        """``fn()`` in a helper thread: its result (True with ``ok``), or None when it raised
+        or did not answer in time (a store whose host is frozen never answers). A call of the
+        same name still waiting is not repeated, so a frozen store gathers no threads."""
+        if name in self._busy:
+            return None
+        box = []
+
+        def run():
+            try:
+                result = fn()
+                box.append(True if ok else result)
+            except Exception:  # noqa: BLE001  (the store's errors mean "no answer" here)
+                pass
+            finally:
+                self._busy.discard(name)
+
+        self._busy.add(name)
+        threading.Thread(target=run, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not box and name in self._busy and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return box[0] if box else None
+
     def _finish(self, line: str) -> None:
-        if self.client is not None:
-            _call(lambda: self.client.key_value_set(STUCK_KEY, line, True), 5.0)
         self.say(f"error: {line}")
         if self.process_id == 0 and self.client is not None:
             # The coordination service lives here: give the others a few polls to read the
@@ -192,23 +261,6 @@ def _processes(ids: list[int]) -> str:
     return ("process " if len(ids) == 1 else "processes ") + ", ".join(map(str, ids))
 
 
-def _call(fn, timeout_s: float):
-    """``fn()`` in a helper thread: its result, or None when it raised or did not return in
-    time (a store whose host is frozen never answers)."""
-    box = []
-
-    def run():
-        try:
-            box.append(fn())
-        except Exception:  # noqa: BLE001  (the store's errors mean "no answer" here)
-            pass
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return box[0] if box else None
-
-
 class NoWatchdog:
     """One process: nothing to wait for."""
 
@@ -218,8 +270,9 @@ class NoWatchdog:
     def disarm(self):
         pass
 
-    def beat(self):
-        pass
+    @contextlib.contextmanager
+    def paused(self):
+        yield
 
     def restart(self, step):
         pass
