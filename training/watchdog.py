@@ -116,12 +116,15 @@ class StepWatchdog:
         return False
 
     # -- the watching thread --------------------------------------------------------------
-    def timeout(self) -> float:
+    def step_timeout(self) -> float:
         if self.timeout_s > 0:
-            step = self.timeout_s
-        else:
-            median = statistics.median(self._rates) if self._rates else 0.0
-            step = max(MIN_AUTO_TIMEOUT_S, 20 * median)
+            return self.timeout_s
+        median = statistics.median(self._rates) if self._rates else 0.0
+        return max(MIN_AUTO_TIMEOUT_S, 20 * median)
+
+    def timeout(self) -> float:
+        """The bound now: a step's, or more for the first step and for a save or evaluation."""
+        step = self.step_timeout()
         if self._first:
             return max(FIRST_STEP_MIN_S, 3 * step)
         return 3 * step if self._paused else step
@@ -195,8 +198,10 @@ class StepWatchdog:
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in got}
 
     def diagnose(self, since: float) -> str:
-        T = self.timeout()
-        head = f"no step finished for {since:.0f} s (distributed.step_timeout_s={T:g})"
+        during = (" in the first step" if self._first
+                  else " in a save or an evaluation" if self._paused else "")
+        head = (f"no step finished for {since:.0f} s{during} (distributed.step_timeout_s="
+                f"{self.step_timeout():g}{'; it gets three' if during else ''})")
         first = self.records() if self.client is not None else None
         if first is None:
             who = ("process 0 (the coordinator) stopped answering" if self.client is not None
