@@ -1,6 +1,8 @@
 """Shared test helpers: the float64 reference attention, random inputs and packed documents,
-running context-parallel attention in every layout, and counting the collectives of a jaxpr."""
+running context-parallel attention in every layout, counting the collectives of a jaxpr, and
+the tiny two-process training runs."""
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -164,3 +166,19 @@ def collectives(jaxpr, out=None):
                 if hasattr(sub, "eqns"):
                     collectives(sub, out)
     return out
+
+
+# ----------------------------------------------------------------------------- processes
+
+# A two-process run of the tiny model, one CPU device each, a 2-device ring over them.
+TWO_PROCESS_TINY = [
+    "--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=0",
+    "--config.data.max_docs=120", "--config.model.vocab_size=512", "--config.data.batch_size=2",
+    "--config.data.seq_len=256", "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
+
+
+def launcher_env() -> dict:
+    """A user's CPU shell for a launcher: it sets each process's own XLA_FLAGS."""
+    e = dict(os.environ, JAX_PLATFORMS="cpu")
+    e.pop("XLA_FLAGS", None)
+    return e

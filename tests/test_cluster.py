@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 
 from errors import ClusterError
+from helpers import TWO_PROCESS_TINY, launcher_env
 from parallel.cluster import (K8S_PORT, Place, check_reachable, expand_nodelist, resolve,
                               tasks_per_node)
 from parallel.host_devices import local_device_ids
@@ -221,15 +222,8 @@ def test_launch_local_gives_each_gpu_process_its_share(tmp_path):
 
 
 # -- launches on this machine -----------------------------------------------------------------
-SMALL = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=0",
-         "--config.data.max_docs=120", "--config.model.vocab_size=512", "--config.data.batch_size=2",
-         "--config.data.seq_len=256", "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
-
-
-def env():
-    e = dict(os.environ, JAX_PLATFORMS="cpu")
-    e.pop("XLA_FLAGS", None)  # the launcher sets each process's own
-    return e
+SMALL = TWO_PROCESS_TINY
+env = launcher_env
 
 
 def launch(tmp, as_cluster=None, workdir=None):

@@ -13,18 +13,12 @@ import time
 import numpy as np
 import pytest
 
+from helpers import TWO_PROCESS_TINY, launcher_env
 from parallel.schedule import work
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
-         "--config.data.max_docs=120", "--config.model.vocab_size=512", "--config.data.batch_size=2",
-         "--config.data.seq_len=256", "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
-
-
-def env():
-    e = dict(os.environ, JAX_PLATFORMS="cpu")
-    e.pop("XLA_FLAGS", None)  # the launcher sets each process's own
-    return e
+SMALL = TWO_PROCESS_TINY
+env = launcher_env
 
 
 def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
@@ -69,6 +63,15 @@ def uninterrupted(tmp_path_factory):
     return read
 
 
+def wait_for_step(host, workdir, step):
+    """Until process 0 has logged ``step``."""
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
+        assert host.poll() is None and time.monotonic() < deadline, host.poll()
+        time.sleep(0.05)
+
+
 def newest_complete_step(ckpt) -> int:
     return max(int(p.name) for p in ckpt.iterdir()
                if p.name.isdigit() and (p / "commit_success.txt").is_file())
@@ -90,11 +93,7 @@ def test_a_dead_peer_ends_the_survivor_in_one_line_and_a_relaunch_resumes(tmp_pa
     workdir = tmp_path / "run"
     port = free_port()
     hosts = [start_host(workdir, port, i) for i in (0, 1)]
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
-        assert hosts[0].poll() is None and time.monotonic() < deadline, hosts[0].poll()
-        time.sleep(0.05)
+    wait_for_step(hosts[0], workdir, 5)
     killed = time.monotonic()
     os.killpg(hosts[1].pid, signal.SIGKILL)  # the host: its process and the training it watches
     code = hosts[0].wait(timeout=HEARTBEAT_S + 60)
@@ -141,11 +140,7 @@ def test_a_stuck_peer_ends_the_run_in_one_line_and_a_relaunch_resumes(tmp_path, 
     extra = ["--config.distributed.heartbeat_timeout_s=120",
              f"--config.distributed.step_timeout_s={STEP_TIMEOUT_S}"]
     hosts = [start_host(workdir, port, i, extra=extra) for i in (0, 1)]
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and '"step": 5,' in metrics.read_text()):
-        assert hosts[0].poll() is None and time.monotonic() < deadline, hosts[0].poll()
-        time.sleep(0.05)
+    wait_for_step(hosts[0], workdir, 5)
     stopped = time.monotonic()
     # The host's training process (its watcher's child, in a process group of its own) freezes.
     child = int(pathlib.Path(f"/proc/{hosts[1].pid}/task/{hosts[1].pid}/children").read_text())
