@@ -70,7 +70,7 @@ class Place:
         ids = ", ".join(filter(None, (self.source("process_id"), self.source("num_processes"))))
         task = (f", task {self.local_rank} of {self.local_size} on this host"
                 if self.local_size > 1 else "")
-        return (f"{self.environment}: coordinator {self.coordinator}{where}, process "
+        return (f"{self.environment}: coordinator {self.coordinator or 'found by JAX'}{where}, process "
                 f"{self.process_id} of {self.num_processes}{f' ({ids})' if ids else ''}{task}")
 
 
@@ -138,7 +138,8 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None,
                                f"--coordinator HOST:PORT or JAX_COORDINATOR_ADDRESS")
         got["coordinator"] = extra.pop("coordinator")(fqdn)
     address = str(got["coordinator"][0])
-    _split_address(address, got["coordinator"][1])
+    if address:  # a TPU pod's is JAX's to find
+        _split_address(address, got["coordinator"][1])
     origin = {field: got[field][1] for field in ("coordinator", "num_processes", "process_id")}
     return Place(environment, n, i, address, origin, extra.get("local_rank", 0),
                  extra.get("local_size", 1), extra.get("hosts"), extra.get("job_id"))
@@ -243,7 +244,7 @@ def _tpu_pod(env) -> dict | None:
         return None
     return {"environment": "TPU pod", "num_processes": (len(hosts), "TPU_WORKER_HOSTNAMES"),
             "process_id": (_int("TPU_WORKER_ID", env.get("TPU_WORKER_ID", "0")), "TPU_WORKER_ID"),
-            "coordinator": lambda fqdn: ("(JAX's own detection)", "TPU metadata"),
+            "coordinator": lambda fqdn: ("", "JAX's TPU detection"),
             "hosts": len(hosts)}
 
 
@@ -315,8 +316,6 @@ def _port(env, default, rule: str) -> tuple[int, str]:
 def _split_address(address: str, source: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        if address == "(JAX's own detection)":
-            return address, 0
         raise ClusterError(f"{source}={address!r} is not HOST:PORT (e.g. node001:61442)")
     return host.strip("[]"), int(port)
 

@@ -52,7 +52,7 @@ def multi_process_env(environ=os.environ) -> bool:
     from parallel.cluster import resolve
     from errors import ClusterError
     try:
-        return resolve(environ=environ).multi or bool(environ.get("JAX_COORDINATOR_ADDRESS"))
+        return resolve(environ=environ).multi
     except ClusterError:
         return True
 

@@ -235,7 +235,7 @@ class StepWatchdog:
         same name still waiting is not repeated, so a frozen store gathers no threads."""
         if name in self._busy:
             return None
-        box = []
+        box, done = [], threading.Event()
 
         def run():
             try:
@@ -245,12 +245,11 @@ class StepWatchdog:
                 pass
             finally:
                 self._busy.discard(name)
+                done.set()
 
         self._busy.add(name)
         threading.Thread(target=run, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not box and name in self._busy and time.monotonic() < deadline:
-            time.sleep(0.005)
+        done.wait(timeout_s)
         return box[0] if box else None
 
     def _finish(self, line: str) -> None:
