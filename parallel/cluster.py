@@ -70,7 +70,8 @@ class Place:
         ids = ", ".join(filter(None, (self.source("process_id"), self.source("num_processes"))))
         task = (f", task {self.local_rank} of {self.local_size} on this host"
                 if self.local_size > 1 else "")
-        return (f"{self.environment}: coordinator {self.coordinator or 'found by JAX'}{where}, process "
+        coordinator = self.coordinator or "found by JAX"
+        return (f"{self.environment}: coordinator {coordinator}{where}, process "
                 f"{self.process_id} of {self.num_processes}{f' ({ids})' if ids else ''}{task}")
 
 
