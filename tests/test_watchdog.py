@@ -139,24 +139,25 @@ def test_steps_that_keep_finishing_never_end_the_run():
 
 def test_the_first_step_and_pauses_get_three_timeouts_and_the_last_save_none(monkeypatch):
     import training.watchdog as wd
-    monkeypatch.setattr(wd, "FIRST_STEP_MIN_S", 0.0)  # the first step: three timeouts (0.6 s)
+    monkeypatch.setattr(wd, "FIRST_STEP_MIN_S", 0.0)  # the first step: three timeouts (1.5 s)
     store = Store()
-    w, said, ended = watchdog(store, timeout_s=0.2)
+    # sleeps of 1.5 timeouts: past one timeout, with 0.75 s to spare on a loaded machine
+    w, said, ended = watchdog(store, timeout_s=0.5)
     with w:
         first = Output(ready=False)
         w.dispatched(1, first)  # the compile
-        time.sleep(0.4)
+        time.sleep(0.75)
         assert ended == []
         first.ready = True
         w.dispatched(2, Output())
         while w.finished < 2:
             time.sleep(0.01)
         with w.paused():  # an evaluation or a save that outlasts the timeout, not three
-            time.sleep(0.4)
+            time.sleep(0.75)
         assert ended == []
         w.dispatched(3, Output(ready=False))
         w.disarm()  # the run's last save
-        time.sleep(0.5)
+        time.sleep(0.75)
     assert ended == [] and said == []
     w, said, ended = watchdog(store, timeout_s=0.2)  # a pause that never ends: it ends
     with w.paused():

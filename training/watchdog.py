@@ -113,6 +113,7 @@ class StepWatchdog:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=5)
+        self._poll_finished()  # the count at exit does not depend on when the thread last woke
         return False
 
     # -- the watching thread --------------------------------------------------------------
