@@ -91,14 +91,7 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens_BL, positions_BL, segment_ids_BL):
         """The last block's output [B, L, D] (before the final norm), in the batch's layout."""
-        embed_VD = self.embed[...]
-        if self.act_sharding is not None:
-            # Gather the (fsdp x sequence)-sharded table whole first, as FSDP does for every
-            # weight: a lookup straight from a table split along D has no efficient
-            # partitioning into the batch x length layout and XLA would replicate it anyway.
-            embed_VD = jax.lax.with_sharding_constraint(
-                embed_VD, jax.sharding.NamedSharding(self.act_sharding.mesh, jax.sharding.PartitionSpec()))
-        x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(self.dtype)
+        x_BLD = self.embed_tokens(tokens_BL)
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(x_BLD, layer_state):
@@ -118,6 +111,17 @@ class Decoder(nnx.Module):
             for i in range(self.num_layers):
                 x_BLD, _ = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
         return x_BLD
+
+    def embed_tokens(self, tokens_BL):
+        """The embedding rows of ``tokens_BL`` [B, L, D] in the compute dtype."""
+        embed_VD = self.embed[...]
+        if self.act_sharding is not None:
+            # Gather the (fsdp x sequence)-sharded table whole first, as FSDP does for every
+            # weight: a lookup straight from a table split along D has no efficient
+            # partitioning into the batch x length layout and XLA would replicate it anyway.
+            embed_VD = jax.lax.with_sharding_constraint(
+                embed_VD, jax.sharding.NamedSharding(self.act_sharding.mesh, jax.sharding.PartitionSpec()))
+        return jnp.take(embed_VD, tokens_BL, axis=0).astype(self.dtype)
 
 
 def backend_from_config(config, mesh=None) -> AttentionBackend:

@@ -125,11 +125,25 @@ class Attention(nnx.Module):
         return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        return self.attend(x_BLD, positions_BL, segment_ids_BL)[0]
+
+    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None):
+        """(output [B, L, D], (k_BLKD, v_BLKD)): the keys and values a KV cache keeps.
+        ``attention(q, k, v)``, when given, replaces the backend (a decode step's cache)."""
+        q_BLHD, k_BLKD, v_BLKD = self.qkv(x_BLD, positions_BL)
+        if attention is None:
+            o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, self.window)
+        else:
+            o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD)
+        out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype),
+                             self.wo[...].astype(self.dtype))
+        return out_BLD, (k_BLKD, v_BLKD)
+
+    def qkv(self, x_BLD, positions_BL):
+        """Queries, keys (both rotated to their positions) and values."""
         q_BLHD = self.rope(self._project(x_BLD, self.wq, self.bq), positions_BL)  # bias before RoPE
         k_BLKD = self.rope(self._project(x_BLD, self.wk, self.bk), positions_BL)
-        v_BLKD = self._project(x_BLD, self.wv, self.bv)
-        o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, self.window)
-        return jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype), self.wo[...].astype(self.dtype))
+        return q_BLHD, k_BLKD, self._project(x_BLD, self.wv, self.bv)
 
 
 class SwiGLU(nnx.Module):
@@ -160,8 +174,18 @@ class Block(nnx.Module):
         self.mlp_chunk, self.mesh = m.mlp_chunk, backend.mesh
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
-        if not self.mlp_chunk:
+        return self.attend(x_BLD, positions_BL, segment_ids_BL)[0]
+
+    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None):
+        """(output, (k, v)): the block, and the keys and values its attention saw
+        (``Attention.attend``)."""
+        y_BLD, kv = self.attn.attend(self.attn_norm(x_BLD), positions_BL, segment_ids_BL,
+                                     attention)
+        # a decode step's one token is not split over the sequence axis: the MLP runs whole
+        return self.feed_forward(x_BLD + y_BLD, chunked=attention is None), kv
+
+    def feed_forward(self, x_BLD, chunked: bool = True):
+        if not (self.mlp_chunk and chunked):
             return x_BLD + self.mlp(self.mlp_norm(x_BLD))
         # At long context the MLP's [tokens, ffn_dim] activations are the layer's largest:
         # run it over chunks of each device's tokens under remat (it is per token).

@@ -18,10 +18,14 @@ from model.layers import rms_norm
 
 
 def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, eps: float,
-                         chunk: int, mesh=None, compute_dtype=jnp.float32):
+                         chunk: int, mesh=None, compute_dtype=jnp.float32, greedy_vocab=None):
     """Per-token masked cross-entropy ``[B, L]`` (fp32, 0 where masked) of hidden states
     ``x_BLD`` (before the final RMSNorm of ``norm_scale_D``) against ``labels_BL``, in the
-    batch's layout. The vocabulary is split over the mesh's tensor axis (padded to divide)."""
+    batch's layout. The vocabulary is split over the mesh's tensor axis (padded to divide).
+
+    ``greedy_vocab=U`` (evaluation): ``[B, L, 2]`` instead, the loss and 1.0 where the label
+    is the likeliest of the first U tokens (a tie counts as likeliest), as greedy decoding
+    restricted to the tokenizer's U ids would pick it."""
     acc = jnp.promote_types(compute_dtype, jnp.float32)  # fp32 logits (fp64 in the tests)
     V = head_DV.shape[1]
     t = mesh.shape["tensor"] if mesh is not None else 1
@@ -46,7 +50,15 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
                                         -1)[..., 0] * inside_Bc
         if axis:
             sum_Bc, picked_Bc = jax.lax.psum(sum_Bc, axis), jax.lax.psum(picked_Bc, axis)
-        return (jnp.log(sum_Bc) + m_Bc - picked_Bc) * mask_Bc
+        loss_Bc = (jnp.log(sum_Bc) + m_Bc - picked_Bc) * mask_Bc
+        if greedy_vocab is None:
+            return loss_Bc
+        usable_Bc = jnp.where(first + jnp.arange(v) < greedy_vocab, logits_Bcv,
+                              jnp.finfo(acc).min).max(-1)
+        if axis:
+            usable_Bc = jax.lax.pmax(usable_Bc, axis)
+        return jnp.stack([loss_Bc, (picked_Bc >= usable_Bc).astype(acc)], -1)
 
     return map_chunks(one_chunk, (norm_scale_D, head_DV), (P(), P(None, "tensor")),
-                      (x_BLD, labels_BL, mask_BL.astype(acc)), chunk, mesh, out_rank=2)
+                      (x_BLD, labels_BL, mask_BL.astype(acc)), chunk, mesh,
+                      out_rank=2 if greedy_vocab is None else 3)

@@ -60,38 +60,10 @@ def parse_list(text: str, kind, flag: str) -> list:
     return values
 
 
-def length_problem(config, mesh, length: int) -> str | None:
-    """Why ``length`` cannot run on this mesh and layout (the trainer's own checks), or None."""
-    from errors import ConfigError
-    from training.validate import validate
-    c = config.copy_and_resolve_references()
-    c.data.seq_len = length
-    try:
-        validate(c, int(mesh.devices.size))
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
-def nearby_valid(config, mesh, length: int, shortest: int, step: int, want: int = 2,
-                 tries: int = 4096) -> list[int]:
-    """Up to ``want`` valid lengths nearest to ``length`` on one side (``step`` < 0: below),
-    walking multiples of the layout's unit ``|step|`` (tile sizes may skip some of them)."""
-    unit = abs(step)
-    n = (length - 1) // unit * unit if step < 0 else (length // unit + 1) * unit
-    found = []
-    for _ in range(tries):
-        if len(found) == want or n < max(shortest, 1):
-            break
-        if length_problem(config, mesh, n) is None:
-            found.append(n)
-        n += step
-    return sorted(found)
-
-
 def check_lengths(config, mesh, lengths: list[int], shortest: int) -> None:
     """One line naming the first bad length and the valid lengths around it."""
     from errors import ConfigError
+    from evaluation.lengths import length_problem, nearby_valid, unit
     a = config.attention
     where = (f"the {a.layout} layout over {int(mesh.shape['sequence'])} sequence shards "
              f"({a.impl} attention)")
@@ -102,11 +74,9 @@ def check_lengths(config, mesh, lengths: list[int], shortest: int) -> None:
         why = length_problem(config, mesh, length)
         if why is None:
             continue
-        shards = int(mesh.shape["sequence"])
-        unit = {"contiguous": shards, "striped": shards * int(a.stripe),
-                "zigzag": 2 * shards}.get(a.layout, shards)
-        below = nearby_valid(config, mesh, length, shortest, -unit)
-        above = nearby_valid(config, mesh, length, shortest, unit)
+        step = unit(config, mesh)
+        below = nearby_valid(config, mesh, length, shortest, -step)
+        above = nearby_valid(config, mesh, length, shortest, step)
         raise ConfigError(f"--lengths: {length} cannot run on {where}: {why}; valid lengths "
                           f"near it: {', '.join(map(str, below + above)) or 'none'}")
 

@@ -1,7 +1,7 @@
 """Continue a prompt with a trained run: the newest complete checkpoint's weights, the run's tokenizer.
 
     python scripts/generate.py --run runs/demo --prompt "def main(" [--max-new-tokens 200]
-        [--temperature 0.8 --top-k 40] [--seed 0] [--step N] [--json [FILE]]
+        [--temperature 0.8 --top-k 40] [--seed 0] [--step N] [--json [FILE]] [--no-cache]
 
 Greedy (the likeliest token every time) unless --temperature is given, which samples at that
 temperature among the --top-k likeliest tokens (--greedy is still accepted and wins).
@@ -9,15 +9,13 @@ temperature among the --top-k likeliest tokens (--greedy is still accepted and w
 tokens on stdout (everything else goes to stderr); --json FILE prints the text as usual and
 writes a fuller record (prompt, its tokens, settings) to FILE.
 
-Runs on one device with dense attention in the contiguous layout, whatever mesh and layout the
-run trained with: the parameters depend on neither. Each token recomputes the whole window (no
-KV cache) in a fixed buffer, so one compiled program serves every token. The buffer is the
-smallest multiple of 64 that holds the prompt and the new tokens, capped at the run's
-data.seq_len: a short prompt to an imported model trained at 128k tokens then costs a few
-hundred slots per token, not 128k, and at most the length the run trained at, past which
-its RoPE was never trained (a window that fills up slides left by one token). Slots past the
-current length n get position 0, so the largest position in the pass is n - 1, as it is for
-an unpadded prompt (a dynamic RoPE scaling reads it); causal masking by slot keeps them unseen.
+Runs on the run's own mesh, attention and layout (on a CPU the script simulates the run's
+devices, as train.py does; training/eval_setup.py): the prompt is prefilled once with
+context-parallel attention and each new token reads a KV cache sharded over the sequence
+axis (evaluation/kv_cache.py). Prompt and new tokens stay within the run's data.seq_len, past
+which its RoPE was never trained: a longer prompt keeps its last seq_len - max_new_tokens
+tokens, and says so. --no-cache runs the reference instead (evaluation/recompute.py): one
+device, every token recomputes the whole window; the same greedy tokens, much slower.
 """
 from __future__ import annotations
 
@@ -45,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--json", nargs="?", const="-", default=None,
                    help="alone: print only {ids, text} as JSON on stdout; with FILE: also "
                         "write prompt, tokens and text there")
+    p.add_argument("--no-cache", action="store_true",
+                   help="the reference: one device, every token recomputes the window")
     args = p.parse_args(argv)
     args.greedy = args.greedy or args.temperature is None
     return args
@@ -61,68 +61,32 @@ def check_args(args):
         raise CheckpointError(f"--top-k={args.top_k} must be >= 0 (0 samples among all tokens)")
 
 
-def make_step(graphdef, window: int, usable_vocab: int, greedy: bool, temperature: float,
-              top_k: int):
-    """step(params, buf [window], n, key) -> (buf, n + 1, token): appends one sampled token."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    slots = jnp.arange(window, dtype=jnp.int32)
-    segments = jnp.ones((1, window), jnp.int32)
-
-    @jax.jit
-    def step(params, buf, n, key):
-        full = n >= window
-        buf = jnp.where(full, jnp.roll(buf, -1), buf)
-        n = jnp.where(full, window - 1, n)
-        positions = jnp.where(slots < n, slots, 0)[None]
-        logits = nnx.merge(graphdef, params)(buf[None], positions, segments)[0, n - 1]
-        # Embedding rows past the tokenizer's vocabulary were never trained on: never pick them.
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < usable_vocab, logits, -jnp.inf)
-        if greedy:
-            token = jnp.argmax(logits)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = jax.lax.top_k(logits, min(top_k, usable_vocab))[0][-1]
-                logits = jnp.where(logits < kth, -jnp.inf, logits)
-            token = jax.random.categorical(key, logits)
-        token = token.astype(buf.dtype)
-        return buf.at[n].set(token), n + 1, token
-
-    return step
+def generate(run, trainer, params, ids: list[int], args, log) -> list[int]:
+    """Greedy or sampled tokens after ``ids`` with the KV cache on the trainer's mesh."""
+    from evaluation.kv_cache import Generator
+    from evaluation.lengths import Buckets
+    config, mesh = trainer.config, trainer.mesh
+    seq_len = int(config.data.seq_len)
+    keep = seq_len - args.max_new_tokens
+    if len(ids) > keep:
+        log(f"the prompt's {len(ids)} tokens and {args.max_new_tokens} new ones exceed the "
+            f"run's data.seq_len={seq_len}: keeping the prompt's last {keep} tokens")
+        ids = ids[-keep:]
+    gen = Generator(trainer, run.tokenizer.get_vocab_size())
+    rows = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])  # one prompt in every row
+    length = Buckets(config, mesh, seq_len)(len(ids))
+    return gen.generate(params, [ids] * rows, args.max_new_tokens, length=length,
+                        eos=eos_of(run), sampling=sampling(args), seed=args.seed)[0]
 
 
-def window_size(prompt_len: int, max_new_tokens: int, seq_len: int) -> int:
-    """The smallest multiple of 64 holding prompt and new tokens, at most the run's seq_len."""
-    return min(seq_len, -(-(prompt_len + max_new_tokens) // 64) * 64)
+def sampling(args):
+    from evaluation.kv_cache import Sampling
+    return Sampling(greedy=args.greedy, temperature=args.temperature or 1.0, top_k=args.top_k)
 
 
-def generate(run, params, graphdef, prompt: str, args) -> list[int]:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
+def eos_of(run) -> int:
     from data.tokenizer import eos_id
-    ids = run.tokenizer.encode(prompt).ids
-    window = window_size(max(len(ids), 1), args.max_new_tokens, int(run.config.data.seq_len))
-    if not ids:
-        ids = [eos_id(run.tokenizer)]  # an empty prompt starts a new document
-    ids = ids[-window:]
-    buf = np.zeros(window, np.int32)
-    buf[:len(ids)] = ids
-    step = make_step(graphdef, window, run.tokenizer.get_vocab_size(), args.greedy,
-                     args.temperature, args.top_k)
-    buf, n, key = jnp.asarray(buf), jnp.int32(len(ids)), jax.random.key(args.seed)
-    eos, out = eos_id(run.tokenizer), []
-    for _ in range(args.max_new_tokens):
-        key, sub = jax.random.split(key)
-        buf, n, token = step(params, buf, n, sub)
-        token = int(token)
-        if token == eos:
-            break
-        out.append(token)
-    return out
+    return eos_id(run.tokenizer)
 
 
 def main(argv=None) -> int:
@@ -130,19 +94,42 @@ def main(argv=None) -> int:
     from parallel.cluster import one_process_or_exit
     from training.entry import script_main, stderr
     one_process_or_exit("scripts/generate.py")
+    if not args.no_cache:
+        from parallel.host_devices import simulate_for_run
+        simulate_for_run(args.run, say=stderr)  # before jax starts
 
     def run_generate() -> int:
         from checkpoints.rundir import open_run
-        from model.decoder import single_device_model
         check_args(args)
         run = open_run(args.run)
-        graphdef, abstract = single_device_model(run.config)
-        got = run.restore_params(abstract, step=args.step)
-        mode = ("greedy" if args.greedy else
-                f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
-        stderr(f"{run.directory}: step {got.step} ({got.path}); {mode}")
+        if args.max_new_tokens >= int(run.config.data.seq_len):
+            from errors import CheckpointError
+            raise CheckpointError(f"--max-new-tokens={args.max_new_tokens} leaves no room for "
+                                  f"a prompt in the run's data.seq_len="
+                                  f"{int(run.config.data.seq_len)}; use fewer")
+        ids = run.tokenizer.encode(args.prompt).ids or [eos_of(run)]  # empty: a new document
         t0 = time.perf_counter()
-        tokens = generate(run, got.params, graphdef, args.prompt, args)
+        if args.no_cache:
+            from evaluation import recompute
+            from model.decoder import single_device_model
+            graphdef, abstract = single_device_model(run.config)
+            got = run.restore_params(abstract, step=args.step)
+            where = "one device, no cache"
+            tokens = recompute.generate(
+                graphdef, got.params, ids, args.max_new_tokens,
+                seq_len=int(run.config.data.seq_len), usable_vocab=run.tokenizer.get_vocab_size(),
+                eos=eos_of(run), sampling=sampling(args), seed=args.seed)
+        else:
+            from training.eval_setup import eval_setup
+            from training.state import Trainer
+            config, mesh = eval_setup(run.config, stderr)
+            trainer = Trainer(config, mesh)
+            got = run.restore_params(trainer.abstract_state.params, step=args.step)
+            where = (f"{config.attention.impl} attention, {config.attention.layout} layout, "
+                     f"mesh {'x'.join(str(v) for v in mesh.shape.values())}, KV cache")
+            tokens = generate(run, trainer, got.params, ids, args, stderr)
+        stderr(f"{run.directory}: step {got.step} ({got.path}); {sampling(args).describe()}"
+               f"{'' if args.greedy else f', seed {args.seed}'}; {where}")
         text = run.tokenizer.decode(tokens)
         if args.json == "-":
             print(json.dumps({"ids": tokens, "text": text}))
@@ -155,7 +142,7 @@ def main(argv=None) -> int:
                            "prompt_tokens": run.tokenizer.encode(args.prompt).ids,
                            "tokens": tokens, "text": text, "greedy": args.greedy,
                            "temperature": args.temperature, "top_k": args.top_k,
-                           "seed": args.seed}, f, indent=2)
+                           "seed": args.seed, "cache": not args.no_cache}, f, indent=2)
         return 0
 
     return script_main(run_generate)

@@ -132,9 +132,8 @@ def test_context_lengths_and_buckets_against_a_direct_count():
 
 def test_generate_is_greedy_by_default_and_json_alone_prints_one_object(run_dir, greedy_run):
     """--json with no file prints exactly one JSON object on stdout: the ids and text of the
-    default (greedy) continuation, equal to --greedy's. With more new tokens the window grows
-    (64 to 128 slots here) and the first tokens stay the same: the padding slots, at position
-    0 after the current length, change nothing."""
+    default (greedy) continuation, equal to --greedy's. With more new tokens the cache grows
+    and the first tokens stay the same: its empty slots change nothing."""
     _, greedy = greedy_run
     out = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 12,
                     "--json")
@@ -151,11 +150,7 @@ def test_generate_is_greedy_by_default_and_json_alone_prints_one_object(run_dir,
 
 
 def test_window_is_the_smallest_multiple_of_64_capped_at_seq_len(rng):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("generate_script",
-                                                  tr.ROOT / "scripts" / "generate.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    from evaluation import recompute as gen
     for _ in range(200):
         prompt, new = int(rng.integers(1, 5000)), int(rng.integers(1, 5000))
         seq_len = int(rng.integers(1, 200)) * 64

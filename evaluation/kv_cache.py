@@ -1,0 +1,276 @@
+"""Generation with a KV cache on the run's mesh: the prompt prefilled once with the run's
+context-parallel attention (any layout and strategy), the cache kept sharded over the
+``sequence`` axis, and each new token's attention merged across devices by logsumexp.
+
+The cache of one layer is ``[B, S * C, Hkv, D]`` over S sequence shards. Device ``d`` holds
+``C = Cp + G`` slots: its ``Cp`` prompt tokens, in the layout's order exactly as the prefill
+left them (no reshuffle), then ``G`` slots for new tokens, which are dealt round-robin (new
+token ``t`` goes to device ``t % S``, slot ``Cp + t // S``) so that every device holds an equal
+share of the generation. Beside it, each slot's true position (``EMPTY`` for padding and
+unwritten slots: later than any query, so causally invisible) is all the mask needs.
+
+A decode step runs the model on one token per row. Each device attends its query over its own
+slots and keeps the unnormalised fp32 softmax state (max, denominator, numerator); the states
+combine over ``sequence`` by ``pmax`` and ``psum``, the merge a ring round uses, then with the
+token's own key. Its keys and values are written in place (the cache is donated).
+
+Rows of different prompt lengths share a batch: each row keeps its own positions. A dynamic
+(NTK) RoPE scaling reads the batch's largest position when keys are computed, as Hugging
+Face's cached generation does: its cached keys keep the base of the step that made them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallel.kernels import predicate
+from parallel.kernels.accumulators import M_INIT
+from parallel.mesh import BATCH_AXES
+
+EMPTY = 2**30  # the position of a slot holding no token
+CACHE = P(None, BATCH_AXES, "sequence", "tensor", None)  # [layers, B, slots, Hkv, D]
+ROWS = P(BATCH_AXES, "sequence")  # [B, slots]
+TOKEN = P(BATCH_AXES, None, "tensor", None)  # one token's q, k or v [B, 1, H, D]
+
+
+class Cache(NamedTuple):
+    k: jax.Array  # [layers, B, S * C, Hkv, D], compute dtype
+    v: jax.Array
+    pos: jax.Array  # [B, S * C] int32 true positions; EMPTY where no token
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a token is picked from the next-token logits."""
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: among all tokens
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return f"temperature {self.temperature}, top-k {self.top_k or 'all'}"
+
+
+def pick(logits_BV, key, sampling: Sampling, usable_vocab: int):
+    """One token per row; embedding rows past the tokenizer's vocabulary were never trained
+    on, so they are never picked."""
+    logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < usable_vocab, logits_BV, -jnp.inf)
+    if sampling.greedy:
+        return jnp.argmax(logits_BV, -1).astype(jnp.int32)
+    logits_BV = logits_BV / sampling.temperature
+    if sampling.top_k:
+        kth_B = jax.lax.top_k(logits_BV, min(sampling.top_k, usable_vocab))[0][:, -1]
+        logits_BV = jnp.where(logits_BV < kth_B[:, None], -jnp.inf, logits_BV)
+    # a key per row: row r draws the same token whatever the batch (and so the mesh) is
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits_BV.shape[0]))
+    return jax.vmap(jax.random.categorical)(keys, logits_BV).astype(jnp.int32)
+
+
+def _attend_local(q_B1HD, k_B1KD, v_B1KD, kc, vc, pos_BC, layer, pos_B, *, window):
+    """Per device: one query per row against this device's cached slots of ``layer``, merged
+    across ``sequence`` by logsumexp, then with the token's own key (which sees itself)."""
+    b, _, hq, d = q_B1HD.shape
+    hkv = k_B1KD.shape[2]
+    f32 = jnp.float32
+    q_BKGD = q_B1HD[:, 0].reshape(b, hkv, hq // hkv, d).astype(f32) * (1.0 / math.sqrt(d))
+    k_BCKD = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False).astype(f32)
+    v_BCKD = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False).astype(f32)
+    s_BKGC = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD)
+    seen_BC = predicate.visible(pos_B[:, None], pos_BC, None, None, causal=True,
+                                window=window)[:, 0]
+    s_BKGC = jnp.where(seen_BC[:, None, None, :], s_BKGC, -jnp.inf)
+    m_BKG = jnp.maximum(s_BKGC.max(-1), M_INIT)  # finite even where nothing is visible
+    p_BKGC = jnp.exp(s_BKGC - m_BKG[..., None])
+    big_m = jax.lax.pmax(m_BKG, "sequence")
+    scale = jnp.exp(m_BKG - big_m)
+    l_BKG = jax.lax.psum(p_BKGC.sum(-1) * scale, "sequence")
+    o_BKGD = jax.lax.psum(jnp.einsum("bkgc,bckd->bkgd", p_BKGC, v_BCKD) * scale[..., None],
+                          "sequence")
+    s_self = jnp.einsum("bkgd,bkd->bkg", q_BKGD, k_B1KD[:, 0].astype(f32))
+    m_all = jnp.maximum(big_m, s_self)
+    a, c = jnp.exp(big_m - m_all), jnp.exp(s_self - m_all)
+    o_BKGD = o_BKGD * a[..., None] + v_B1KD[:, 0].astype(f32)[:, :, None, :] * c[..., None]
+    o_BKGD = o_BKGD / (l_BKG * a + c)[..., None]
+    return o_BKGD.reshape(b, 1, hq, d).astype(q_B1HD.dtype)
+
+
+def _write_local(cache, new_B1KD, layer, slot, owner):
+    """Writes the token's keys (or values) into ``slot`` of ``layer`` on device ``owner``, in
+    place: the other devices write back what the slot held."""
+    mine = jax.lax.axis_index("sequence") == owner
+    at = (layer, 0, slot, 0, 0)
+    old = jax.lax.dynamic_slice(cache, at, (1, *new_B1KD.shape))
+    return jax.lax.dynamic_update_slice(cache, jnp.where(mine, new_B1KD[None].astype(cache.dtype),
+                                                         old), at)
+
+
+def _write_pos_local(pos_BC, pos_B, slot, owner):
+    mine = jax.lax.axis_index("sequence") == owner
+    old = jax.lax.dynamic_slice_in_dim(pos_BC, slot, 1, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(pos_BC, jnp.where(mine, pos_B[:, None], old),
+                                               slot, axis=1)
+
+
+class Generator:
+    """Prefill and decode programs for one run on one mesh (``trainer``: a training.state
+    Trainer for the run's config, whose graphdef and shardings the programs use)."""
+
+    def __init__(self, trainer, usable_vocab: int):
+        self.trainer, self.mesh, self.config = trainer, trainer.mesh, trainer.config
+        self.usable_vocab = int(usable_vocab)
+        self.shards = int(self.mesh.shape["sequence"])
+        self.window = int(self.config.model.get("sliding_window", 0))
+
+    # -- programs --------------------------------------------------------------------------
+    @functools.lru_cache(maxsize=None)
+    def _prefill(self, gen_slots: int, sampling: Sampling):
+        """(params, tokens, positions, segments, last_B, key) -> (Cache, first token [B])."""
+        graphdef, mesh, vocab = self.trainer.graphdef, self.mesh, self.usable_vocab
+
+        def pad_local(c):  # [layers, b, Cp, h, d] -> [layers, b, Cp + G, h, d]
+            return jnp.pad(c, ((0, 0), (0, 0), (0, gen_slots), (0, 0), (0, 0)))
+
+        grow = jax.shard_map(pad_local, mesh=mesh, in_specs=CACHE, out_specs=CACHE)
+
+        def prefill(params, tokens_BL, positions_BL, segments_BL, cache_pos, last_B, key):
+            model = nnx.merge(graphdef, params)
+            block_def, stacked = nnx.split(model.blocks)
+
+            def layer(x_BLD, layer_state):
+                if model.act_sharding is not None:
+                    x_BLD = jax.lax.with_sharding_constraint(x_BLD, model.act_sharding)
+                return nnx.merge(block_def, layer_state).attend(x_BLD, positions_BL, segments_BL)
+
+            x_BLD, (k, v) = jax.lax.scan(layer, model.embed_tokens(tokens_BL), stacked)
+            x_BD = jnp.take_along_axis(x_BLD, last_B[:, None, None], axis=1)[:, 0]
+            logits_BV = jnp.einsum("bd,dv->bv", model.final_norm(x_BD),
+                                   model.head_DV().astype(model.dtype),
+                                   preferred_element_type=jnp.float32)
+            cache = Cache(grow(k), grow(v), cache_pos)
+            return cache, pick(logits_BV, key, sampling, vocab)
+
+        return jax.jit(prefill, in_shardings=(self.trainer.param_shardings, *[self._rows()] * 4,
+                                              None, None),
+                       out_shardings=(self._cache_shardings(), None))
+
+    @functools.lru_cache(maxsize=None)
+    def _decode(self, prompt_slots: int, sampling: Sampling):
+        """(params, cache, token [B], position [B], t, key) -> (cache, next token [B]): the
+        token's keys and values written at slot ``prompt_slots + t // S`` of device ``t % S``."""
+        graphdef, mesh, vocab, S = self.trainer.graphdef, self.mesh, self.usable_vocab, self.shards
+        attend = jax.shard_map(functools.partial(_attend_local, window=self.window), mesh=mesh,
+                               in_specs=(TOKEN, TOKEN, TOKEN, CACHE, CACHE, ROWS, P(),
+                                         P(BATCH_AXES)),
+                               out_specs=TOKEN)
+        write = jax.shard_map(_write_local, mesh=mesh, in_specs=(CACHE, TOKEN, P(), P(), P()),
+                              out_specs=CACHE)
+        write_pos = jax.shard_map(_write_pos_local, mesh=mesh,
+                                  in_specs=(ROWS, P(BATCH_AXES), P(), P()), out_specs=ROWS)
+
+        def decode(params, cache: Cache, token_B, pos_B, t, key):
+            model = nnx.merge(graphdef, params)
+            block_def, stacked = nnx.split(model.blocks)
+            slot, owner = prompt_slots + t // S, t % S
+            pos_B1 = pos_B[:, None]
+
+            def layer(carry, xs):
+                x_B1D, kc, vc = carry
+                layer_state, i = xs
+                block = nnx.merge(block_def, layer_state)
+                x_B1D, (k_B1KD, v_B1KD) = block.attend(
+                    x_B1D, pos_B1, None,
+                    attention=lambda q, k, v: attend(q, k, v, kc, vc, cache.pos, i, pos_B))
+                return (x_B1D, write(kc, k_B1KD, i, slot, owner),
+                        write(vc, v_B1KD, i, slot, owner)), None
+
+            layers = jnp.arange(model.num_layers, dtype=jnp.int32)
+            (x_B1D, kc, vc), _ = jax.lax.scan(
+                layer, (model.embed_tokens(token_B[:, None]), cache.k, cache.v), (stacked, layers))
+            logits_BV = jnp.einsum("bd,dv->bv", model.final_norm(x_B1D[:, 0]),
+                                   model.head_DV().astype(model.dtype),
+                                   preferred_element_type=jnp.float32)
+            new = Cache(kc, vc, write_pos(cache.pos, pos_B, slot, owner))
+            return new, pick(logits_BV, key, sampling, vocab)
+
+        return jax.jit(decode, donate_argnums=(1,),
+                       in_shardings=(self.trainer.param_shardings, self._cache_shardings(),
+                                     self._batch(), self._batch(), None, None),
+                       out_shardings=(self._cache_shardings(), None))
+
+    def _rows(self):
+        return NamedSharding(self.mesh, ROWS)
+
+    def _batch(self):
+        return NamedSharding(self.mesh, P(BATCH_AXES))
+
+    def _cache_shardings(self):
+        s = NamedSharding(self.mesh, CACHE)
+        return Cache(s, s, self._rows())
+
+    # -- host side -------------------------------------------------------------------------
+    def generate(self, params, prompts: list[list[int]], max_new_tokens: int, *, length: int,
+                 eos: int | None, sampling: Sampling = Sampling(), seed: int = 0,
+                 stop=None) -> list[list[int]]:
+        """Up to ``max_new_tokens`` new tokens per prompt (a row of the batch each; the batch
+        a multiple of the data x fsdp axes), ending at ``eos`` (not included) or where
+        ``stop(row, tokens)`` says. ``length``: the padded prompt length, one the layout
+        accepts (evaluation.lengths.Buckets) and at least the longest prompt."""
+        from data.batching import to_layout
+        from parallel.layouts import inverse, permutation
+        a, S = self.config.attention, self.shards
+        B, L = len(prompts), int(length)
+        n_B = np.array([len(p) for p in prompts])
+        if n_B.min() < 1 or n_B.max() > L:
+            raise ValueError(f"prompts of {n_B.min()}-{n_B.max()} tokens do not fit rows of {L}")
+        gen_slots = max(1, -(-(max_new_tokens - 1) // S))
+        tokens_BL = np.zeros((B, L), np.int32)
+        for i, p in enumerate(prompts):
+            tokens_BL[i, :len(p)] = p
+        natural_L = np.arange(L, dtype=np.int32)
+        real_BL = natural_L[None] < n_B[:, None]
+        # Padding gets position 0 for RoPE (a dynamic scaling then reads the longest prompt)
+        # and EMPTY in the cache; inside the prefill the causal mask by slot hides it.
+        natural = {"tokens": tokens_BL,
+                   "positions": np.where(real_BL, natural_L, 0).astype(np.int32),
+                   "segment_ids": np.ones((B, L), np.int32),
+                   "cache_pos": np.where(real_BL, natural_L, EMPTY).astype(np.int32)}
+        rows = to_layout(natural, a.layout, S, int(a.stripe))
+        cache_pos = np.concatenate(  # each device's prompt slots, then its G empty ones
+            [rows["cache_pos"].reshape(B, S, L // S),
+             np.full((B, S, gen_slots), EMPTY, np.int32)], axis=2).reshape(B, -1)
+        last_B = inverse(permutation(a.layout, L, S, int(a.stripe)))[n_B - 1].astype(np.int32)
+        key = jax.random.key(seed)
+        key, sub = jax.random.split(key)
+        cache, token_B = self._prefill(gen_slots, sampling)(
+            params, rows["tokens"], rows["positions"], rows["segment_ids"], cache_pos, last_B, sub)
+        decode = self._decode(L // S, sampling)
+        out: list[list[int]] = [[] for _ in prompts]
+        done = np.zeros(B, bool)
+        pos_B = jnp.asarray(n_B.astype(np.int32))
+        for t in range(max_new_tokens):
+            ahead = None
+            if t + 1 < max_new_tokens:  # dispatched before this token is read
+                key, sub = jax.random.split(key)
+                cache, ahead = decode(params, cache, token_B, pos_B + t, jnp.int32(t), sub)
+            for i, tok in enumerate(np.asarray(token_B).tolist()):
+                if done[i]:
+                    continue
+                if tok == eos:
+                    done[i] = True
+                    continue
+                out[i].append(tok)
+                if len(out[i]) == max_new_tokens or (stop is not None and stop(i, out[i])):
+                    done[i] = True
+            if done.all() or ahead is None:
+                break
+            token_B = ahead
+        return out

@@ -1,0 +1,62 @@
+"""Generation without a cache, the reference the KV cache (evaluation/kv_cache.py) is checked
+and benchmarked against: every new token runs the whole window again.
+
+One device, dense attention, contiguous layout (the parameters depend on neither the mesh nor
+the layout). The window is a fixed buffer, so one compiled program serves every token: the
+smallest multiple of 64 that holds the prompt and the new tokens, capped at the run's
+data.seq_len (a window that fills up slides left by one token). Slots past the current length
+n get position 0, so the largest position in the pass is n - 1, as it is for an unpadded
+prompt (a dynamic RoPE scaling reads it); causal masking by slot keeps them unseen.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from evaluation.kv_cache import Sampling, pick
+
+
+def window_size(prompt_len: int, max_new_tokens: int, seq_len: int) -> int:
+    """The smallest multiple of 64 holding prompt and new tokens, at most the run's seq_len."""
+    return min(seq_len, -(-(prompt_len + max_new_tokens) // 64) * 64)
+
+
+def make_step(graphdef, window: int, usable_vocab: int, sampling: Sampling):
+    """step(params, buf [window], n, key) -> (buf, n + 1, token): appends one picked token."""
+    slots = jnp.arange(window, dtype=jnp.int32)
+    segments = jnp.ones((1, window), jnp.int32)
+
+    @jax.jit
+    def step(params, buf, n, key):
+        full = n >= window
+        buf = jnp.where(full, jnp.roll(buf, -1), buf)
+        n = jnp.where(full, window - 1, n)
+        positions = jnp.where(slots < n, slots, 0)[None]
+        logits_V = nnx.merge(graphdef, params)(buf[None], positions, segments)[0, n - 1]
+        token = pick(logits_V[None], key, sampling, usable_vocab)[0].astype(buf.dtype)
+        return buf.at[n].set(token), n + 1, token
+
+    return step
+
+
+def generate(graphdef, params, ids: list[int], max_new_tokens: int, *, seq_len: int,
+             usable_vocab: int, eos: int, sampling: Sampling = Sampling(),
+             seed: int = 0) -> list[int]:
+    """Up to ``max_new_tokens`` tokens after ``ids`` (non-empty), ending at ``eos``."""
+    window = window_size(len(ids), max_new_tokens, seq_len)
+    ids = ids[-window:]
+    buf = np.zeros(window, np.int32)
+    buf[:len(ids)] = ids
+    step = make_step(graphdef, window, usable_vocab, sampling)
+    buf, n, key = jnp.asarray(buf), jnp.int32(len(ids)), jax.random.key(seed)
+    out = []
+    for _ in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        buf, n, token = step(params, buf, n, sub)
+        token = int(token)
+        if token == eos:
+            break
+        out.append(token)
+    return out

@@ -1,0 +1,164 @@
+"""KV-cache generation (evaluation/kv_cache.py) against generation without a cache
+(evaluation/recompute.py) on a random model: the same greedy tokens for every layout and
+context-parallel strategy on 4 simulated devices, in fp32 and bf16, for rows of different
+prompt lengths in one batch."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny
+from evaluation import recompute
+from evaluation.kv_cache import EMPTY, Generator, Sampling
+from evaluation.lengths import Buckets
+from model.decoder import Decoder, single_device_model
+from model.layers import AttentionBackend
+from parallel.mesh import make_mesh
+from training.state import Trainer
+
+VOCAB = 256
+
+
+def config(layout="striped", impl="ring", dtype="float32", mesh=None, window=0):
+    c = tiny.get_config()
+    # init_std 0.3: peaked next-token distributions, so greedy picks are not near-ties that
+    # bf16 rounding could flip
+    c.model.update(vocab_size=VOCAB, d_model=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                   ffn_dim=96, dtype=dtype, init_std=0.3, sliding_window=window)
+    c.attention.update(layout=layout, impl=impl, block_q=8, block_kv=8,
+                       ulysses=2 if impl == "usp" else 1)
+    c.mesh.update(**(mesh or dict(data=1, fsdp=1, sequence=4, tensor=1)))
+    c.data.update(seq_len=256, batch_size=2)
+    return c
+
+
+def random_params(c, seed):
+    model = Decoder(c.model, AttentionBackend(), nnx.Rngs(seed))
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+
+
+def on_mesh(c, params):
+    mesh = make_mesh(c.mesh, jax.devices()[:4])
+    trainer = Trainer(c, mesh)
+    return trainer, jax.device_put(params, trainer.param_shardings)
+
+
+def reference(c, params, prompt, new):
+    graphdef, _ = single_device_model(c)
+    one = jax.device_put(params, jax.devices()[0])
+    return recompute.generate(graphdef, one, prompt, new, seq_len=c.data.seq_len,
+                              usable_vocab=VOCAB, eos=-1)
+
+
+def reference_logits(c, params, prompt, tokens):
+    """The next-token logits before each of ``tokens`` after ``prompt``, from one forward pass
+    of the whole sequence on one device (dense, natural order)."""
+    graphdef, _ = single_device_model(c)
+    ids = np.asarray([prompt + tokens])
+    L = ids.shape[1]
+    logits = nnx.merge(graphdef, jax.device_put(params, jax.devices()[0]))(
+        ids, np.arange(L)[None], np.ones((1, L), np.int32))[0]
+    return np.asarray(logits[len(prompt) - 1:L - 1], np.float64)
+
+
+def agree(got, want, logits, tolerance):
+    """``got`` equals ``want`` up to their first difference, where ``want``'s logits must make
+    the two picks a near-tie (bf16 rounds hidden states to 3 significant digits: a random
+    model's greedy path may fork there); after it, nothing can be compared."""
+    for k, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            gap = logits[k][w] - logits[k][g]
+            return 0 <= gap <= tolerance * max(1.0, abs(logits[k][w])), (k, gap)
+    return len(got) == len(want), None
+
+
+LAYOUTS = ("contiguous", "striped", "zigzag")
+IMPLS = ("ring", "allgather", "ulysses", "usp")
+
+
+@pytest.mark.parametrize("dtype,cases", [
+    ("float32", [(layout, impl) for layout in LAYOUTS for impl in IMPLS]),
+    # every layout and every strategy once
+    ("bfloat16", [("contiguous", "ring"), ("striped", "allgather"), ("zigzag", "ulysses"),
+                  ("striped", "usp")])])
+def test_cached_greedy_tokens_equal_recomputing_the_window(dtype, cases, rng):
+    """One random model and two prompts of different lengths in one batch; the reference
+    (one device, dense, no cache) depends on neither layout nor strategy."""
+    base = config(dtype=dtype)
+    params = random_params(base, int(rng.integers(1 << 30)))
+    prompts = [rng.integers(1, VOCAB, int(n)).tolist() for n in rng.integers(5, 60, 2)]
+    new = int(rng.integers(6, 14))
+    want = [reference(base, params, p, new) for p in prompts]
+    logits = [reference_logits(base, params, p, w) for p, w in zip(prompts, want)]
+    for layout, impl in cases:
+        c = config(layout, impl, dtype)
+        trainer, sharded = on_mesh(c, params)
+        length = Buckets(c, trainer.mesh, c.data.seq_len)(max(map(len, prompts)))
+        got = Generator(trainer, VOCAB).generate(sharded, prompts, new, length=length, eos=-1)
+        if dtype == "float32":
+            assert got == want, (layout, impl)
+        else:
+            for g, w, lg in zip(got, want, logits):
+                ok, fork = agree(g, w, lg, tolerance=0.01)
+                assert ok, (layout, impl, fork, g, w)
+
+
+def test_sliding_window_and_eos_and_a_stop_rule(rng):
+    c = config("zigzag", "ring", window=12)
+    params = random_params(c, int(rng.integers(1 << 30)))
+    prompts = [rng.integers(1, VOCAB, int(n)).tolist() for n in (40, 23)]
+    want = [reference(c, params, p, 20) for p in prompts]
+    trainer, sharded = on_mesh(c, params)
+    gen = Generator(trainer, VOCAB)
+    got = gen.generate(sharded, prompts, 20, length=64, eos=-1)
+    assert got == want
+    # eos ends a row where it appears (not included); a stop rule ends a row after a token
+    eos = want[0][5]
+    cut = [w[:w.index(eos)] if eos in w else w for w in want]
+    assert gen.generate(sharded, prompts, 20, length=64, eos=eos) == cut
+    stopped = gen.generate(sharded, prompts, 20, length=64, eos=-1,
+                           stop=lambda row, toks: row == 1 and len(toks) == 3)
+    assert stopped == [want[0], want[1][:3]]
+
+
+def test_sampling_follows_the_seed_as_without_a_cache(rng):
+    """Temperature sampling draws each token with the same key as generation without a
+    cache, so the same seed gives the same tokens."""
+    c = config("striped", "ring")
+    params = random_params(c, int(rng.integers(1 << 30)))
+    prompt = rng.integers(1, VOCAB, 30).tolist()
+    trainer, sharded = on_mesh(c, params)
+    hot, seed = Sampling(greedy=False, temperature=3.0, top_k=50), int(rng.integers(1000))
+    graphdef, _ = single_device_model(c)
+    want = recompute.generate(graphdef, jax.device_put(params, jax.devices()[0]), prompt, 8,
+                              seq_len=256, usable_vocab=VOCAB, eos=-1, sampling=hot, seed=seed)
+    got = Generator(trainer, VOCAB).generate(sharded, [prompt], 8, length=64, eos=-1,
+                                             sampling=hot, seed=seed)
+    assert got == [want]
+    assert want != reference(c, params, prompt, 8)  # not greedy
+
+
+def test_a_sharded_batch_and_the_tensor_axis():
+    """data x fsdp x sequence x tensor = 1 x 2 x 2 x 2: rows split over fsdp, heads over
+    tensor, the cache over sequence."""
+    rng = np.random.default_rng(7)
+    c = config("striped", "ring", mesh=dict(data=1, fsdp=2, sequence=2, tensor=2))
+    params = random_params(c, 3)
+    prompts = [rng.integers(1, VOCAB, int(n)).tolist() for n in (9, 33, 17, 50)]
+    mesh = make_mesh(c.mesh, jax.devices()[:8])
+    trainer = Trainer(c, mesh)
+    gen = Generator(trainer, VOCAB)
+    got = gen.generate(jax.device_put(params, trainer.param_shardings), prompts, 9, length=64,
+                       eos=-1)
+    assert got == [reference(c, params, p, 9) for p in prompts]
+
+
+def test_buckets_are_valid_powers_of_two_where_possible(rng):
+    c = config("zigzag")
+    mesh = make_mesh(c.mesh, jax.devices()[:4])
+    buckets = Buckets(c, mesh, cap=1000)
+    for n in rng.integers(1, 1000, 30):
+        b = buckets(int(n))
+        assert b >= n and b % 8 == 0  # zigzag over 4 shards
+        assert b == max(64, 1 << (int(n) - 1).bit_length()) or b <= 1000
+    assert buckets(1001) is None and EMPTY > 1_000_000
