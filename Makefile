@@ -6,12 +6,15 @@ STAMP := $(VENV)/.installed
 TFDS_STAMP := $(VENV)/.installed-tfds
 # The Hugging Face parity tests compare against transformers on torch (CPU build).
 TEST_STAMP := $(VENV)/.installed-test
+# lm-evaluation-harness and RULER's offline tasks (scripts/eval_harness.py, tests/test_harness.py).
+EVAL_STAMP := $(VENV)/.installed-eval
 # The newest JAX (Python 3.12; pyenv's when there is one), tested beside the pinned set.
 PY_NEXT ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV_NEXT := .venv-next
 NEXT_STAMP := $(VENV_NEXT)/.installed
-# What test-next leaves to the pinned run: comparisons against torch/transformers and TFDS.
-NEXT_SKIP := --ignore=tests/test_rope.py --ignore=tests/test_window_hf.py --ignore=tests/test_hf_convert.py --ignore=tests/test_data_tfds.py
+# What test-next leaves to the pinned run: comparisons against torch/transformers and TFDS, and
+# lm_eval (which needs torch).
+NEXT_SKIP := --ignore=tests/test_rope.py --ignore=tests/test_window_hf.py --ignore=tests/test_hf_convert.py --ignore=tests/test_data_tfds.py --ignore=tests/test_harness.py
 # Three pytest workers, each taking whole files (tests in a file share fixtures and run in order):
 # most tests wait on one-threaded XLA compiles or on their subprocesses, so on two cores three keep
 # both busy (767 tests on one tree: 13 min 42 s with two, 12 min 20 s with three). TEST_WORKERS=0: one process.
@@ -33,12 +36,16 @@ $(TEST_STAMP): requirements-test.txt $(STAMP)
 	$(BIN)/python -m pip install -q -r requirements-test.txt
 	touch $(TEST_STAMP)
 
+$(EVAL_STAMP): requirements-eval.txt $(STAMP)
+	$(BIN)/python -m pip install -q -r requirements-eval.txt
+	touch $(EVAL_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python train.py --config configs/tiny.py
 
-test: $(STAMP) $(TFDS_STAMP) $(TEST_STAMP)
+test: $(STAMP) $(TFDS_STAMP) $(TEST_STAMP) $(EVAL_STAMP)
 	$(BIN)/python $(PYTEST) tests
 
 $(NEXT_STAMP): requirements-next.txt

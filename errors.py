@@ -54,3 +54,9 @@ class ClusterError(UserError):
     """A launch whose place in a run cannot be found (a cluster step with variables missing or
     malformed, a coordinator the other hosts cannot reach) or a run directory another live run
     is writing."""
+
+
+class EvalError(UserError):
+    """An evaluation request that cannot run: an unknown model argument, a prompt longer than
+    the model's max_length, a chat template the tokenizer lacks, an offline task's missing
+    data."""

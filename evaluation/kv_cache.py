@@ -176,6 +176,8 @@ class Generator:
         write_pos = jax.shard_map(_write_pos_local, mesh=mesh,
                                   in_specs=(ROWS, P(BATCH_AXES), P(), P()), out_specs=ROWS)
 
+        token_rows = NamedSharding(mesh, P(BATCH_AXES, None, None))
+
         def decode(params, cache: Cache, token_B, pos_B, t, key):
             model = nnx.merge(graphdef, params)
             block_def, stacked = nnx.split(model.blocks)
@@ -185,6 +187,9 @@ class Generator:
             def layer(carry, xs):
                 x_B1D, kc, vc = carry
                 layer_state, i = xs
+                # one token per row: whole on every sequence device (the weights' embed axis
+                # is split over fsdp x sequence, which would otherwise split D here)
+                x_B1D = jax.lax.with_sharding_constraint(x_B1D, token_rows)
                 block = nnx.merge(block_def, layer_state)
                 x_B1D, (k_B1KD, v_B1KD) = block.attend(
                     x_B1D, pos_B1, None,

@@ -40,6 +40,30 @@ def _read_json(path: pathlib.Path) -> dict:
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
 
 
+def write_tokenizer(run, out: pathlib.Path, model_max_length: int) -> pathlib.Path:
+    """The run's tokenizer as ``AutoTokenizer.from_pretrained(out)`` loads it, with the same
+    ids: tokenizer.json, the imported tokenizer_config.json / special_tokens_map.json when the
+    run came from Hugging Face (its chat template too), else a tokenizer_config.json naming
+    the end-of-text and begin-of-text tokens (without it transformers has no eos)."""
+    from data.tokenizer import EOS_NAMES
+    tok = run.tokenizer
+    side = _hf_side_dir(run.directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(tok.to_str())
+    for name in SIDE_FILES[2:]:
+        if side and (side / name).is_file():
+            shutil.copyfile(side / name, out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        eos = next((tok.token_to_id(n) for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
+        bos_name = next((n for n in BOS_NAMES if tok.token_to_id(n) is not None), None)
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tok.id_to_token(eos) if eos is not None else None,
+            "bos_token": bos_name, "model_max_length": int(model_max_length),
+            "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    return out
+
+
 def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str = "configs/base.py",
               overrides=(), log: Callable[[str], None] = print) -> pathlib.Path:
     """Writes a run directory at ``out`` from the HF directory ``hf``; returns ``out``."""
@@ -166,16 +190,9 @@ def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str =
     out.mkdir(parents=True, exist_ok=True)
     safetensors.save_sharded(tensors, out, int(max_shard_gb * 2**30))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(tok.to_str())
-    for name in SIDE_FILES[1:]:
-        if side and (side / name).is_file():
-            shutil.copyfile(side / name, out / name)
-    if not (out / "tokenizer_config.json").is_file():
-        eos_name = tok.id_to_token(eos) if eos is not None else None
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_name,
-            "bos_token": bos_name, "model_max_length": config["max_position_embeddings"],
-            "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    if side and (side / "generation_config.json").is_file():
+        shutil.copyfile(side / "generation_config.json", out / "generation_config.json")
+    write_tokenizer(run, out, config["max_position_embeddings"])
     n = sum(int(np.prod(a.shape)) for a in tensors.values())
     log(f"exported step {got.step} of {run.directory}: {len(tensors)} tensors, {n / 1e6:.1f}M "
         f"parameters in {dtype}, rope_theta {m.rope_theta:g}, rope scaling "
