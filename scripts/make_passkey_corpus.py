@@ -1,13 +1,17 @@
-"""Write a jsonl corpus of passkey documents (data/passkey.py's format) to train on.
+"""Write a jsonl corpus of passkey documents (data/passkey.py's format, or RULER's) to train on.
 
     python scripts/make_passkey_corpus.py --out runs/passkey_short.jsonl --docs 4000 \
-        --min-sentences 1 --max-sentences 20 [--seed 0]
+        --min-sentences 1 --max-sentences 20 [--seed 0] [--format passkey|ruler]
 
 Each line is {"text": ...}: filler sentences with "The pass key is N. Remember it. N is the
 pass key." between two of them, then "What is the pass key? The pass key is N." The number of
 filler sentences is uniform in [--min-sentences, --max-sentences] (about 5 tokens each), so
 the longest documents set how far back a trained model has learnt to look.
 Train on it with --config.data.source=jsonl --config.data.path=FILE.
+
+--format ruler writes RULER's needle-in-a-haystack prompts with their answers instead
+(data/ruler.py: lm-evaluation-harness's niah_single_1 and niah_multikey_2 formats, half each;
+--haystack repeat|needle for one of them), with --min/--max-sentences haystack lines.
 """
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ def parse_args(argv=None):
     p.add_argument("--max-sentences", type=int, default=20)
     p.add_argument("--digits", type=int, default=5, help="digits of each pass key")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", choices=("passkey", "ruler"), default="passkey")
+    p.add_argument("--haystack", choices=("both", "repeat", "needle"), default="both",
+                   help="ruler: the repeated sentence (niah_single_1), other keys' needles "
+                        "(niah_multikey_2), or half each")
     return p.parse_args(argv)
 
 
@@ -35,7 +43,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import numpy as np
 
-    from data.passkey import document
+    from data import passkey, ruler
     if args.docs < 1 or not 0 <= args.min_sentences <= args.max_sentences or args.digits < 1:
         print(f"error: need --docs >= 1, 0 <= --min-sentences <= --max-sentences and "
               f"--digits >= 1 (got {args.docs}, {args.min_sentences}, {args.max_sentences}, "
@@ -47,9 +55,16 @@ def main(argv=None) -> int:
     with open(out, "w") as f:
         for _ in range(args.docs):
             n = int(rng.integers(args.min_sentences, args.max_sentences + 1))
-            f.write(json.dumps({"text": document(rng, n, args.digits)}) + "\n")
-    print(f"wrote {args.docs} passkey documents ({args.min_sentences}-{args.max_sentences} "
-          f"filler sentences) to {out}")
+            if args.format == "ruler":
+                haystack = (ruler.HAYSTACKS[int(rng.integers(2))] if args.haystack == "both"
+                            else args.haystack)
+                text = ruler.document(rng, n, haystack)
+            else:
+                text = passkey.document(rng, n, args.digits)
+            f.write(json.dumps({"text": text}) + "\n")
+    what = "RULER needle-in-a-haystack" if args.format == "ruler" else "passkey"
+    print(f"wrote {args.docs} {what} documents ({args.min_sentences}-{args.max_sentences} "
+          f"{'haystack lines' if args.format == 'ruler' else 'filler sentences'}) to {out}")
     return 0
 
 
