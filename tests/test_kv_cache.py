@@ -153,12 +153,19 @@ def test_a_sharded_batch_and_the_tensor_axis():
     assert got == [reference(c, params, p, 9) for p in prompts]
 
 
-def test_buckets_are_valid_powers_of_two_where_possible(rng):
+def test_buckets_are_the_smallest_valid_length_from_the_next_power_of_two(rng):
+    from evaluation.lengths import length_problem
     c = config("zigzag")
     mesh = make_mesh(c.mesh, jax.devices()[:4])
-    buckets = Buckets(c, mesh, cap=1000)
-    for n in rng.integers(1, 1000, 30):
-        b = buckets(int(n))
-        assert b >= n and b % 8 == 0  # zigzag over 4 shards
-        assert b == max(64, 1 << (int(n) - 1).bit_length()) or b <= 1000
-    assert buckets(1001) is None and EMPTY > 1_000_000
+    cap = 1000
+    buckets = Buckets(c, mesh, cap=cap)
+    valid = [n for n in range(8, cap + 1, 8) if length_problem(c, mesh, n) is None]
+    assert valid and 1000 not in valid  # zigzag x 4 shards x tiles of 8: not every multiple of 8
+    for n in rng.integers(1, cap + 1, 40):
+        n = int(n)
+        target = max(64, 1 << (n - 1).bit_length())
+        want = next((v for v in valid if v >= target), None)
+        if want is None:  # past the cap: the tightest fit, if any
+            want = next((v for v in valid if v >= n), None)
+        assert buckets(n) == want
+    assert buckets(cap + 1) is None and EMPTY > 1_000_000
