@@ -23,7 +23,8 @@ data.seq_len, or, when ``--metadata`` gives RULER's ``max_seq_lengths``, to the 
 plus 64: RULER keeps its generation room inside the length, then appends an answer prefix
 that runs past it. RULER's offline tasks: niah_single_1, niah_multikey_2, niah_multikey_3,
 ruler_vt, ruler_cwe, ruler_fwe. Each length makes 500 samples and ``--limit`` takes the first
-length's only: pick samples per length with ``--samples '{"niah_single_1": [0, 1, 500, 501]}'``.
+length's only: ``--per-length N`` takes the first N of every length (it writes lm_eval's
+``--samples``, e.g. ``'{"niah_single_1": [0, 1, 500, 501]}'`` for N = 2 and two lengths).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SLACK = 64  # tokens past RULER's nominal length: its answer prefix comes after the length
+RULER_SAMPLES = 500  # samples RULER generates per length (lm_eval's tasks/ruler)
 
 
 def parse_args(argv=None):
@@ -50,6 +52,9 @@ def parse_args(argv=None):
                    help="longest row, prompt and generation (default: see above)")
     p.add_argument("--build-timeout", type=float, default=600.0,
                    help="seconds a task's data build may take (0: no limit)")
+    p.add_argument("--per-length", type=int, default=None,
+                   help="RULER: the first N samples of each length of each task (lm_eval's "
+                        "--samples; --limit takes the first length's only)")
     args = p.parse_args(ours)
     args.lm_eval = theirs
     return args
@@ -63,6 +68,36 @@ def flag_value(flags: list[str], name: str) -> tuple[int, str | None]:
         if f.startswith(name + "="):
             return i, f[len(name) + 1:]
     return -1, None
+
+
+def tasks_of(flags: list[str]) -> list[str]:
+    """The task names of ``--tasks a b`` / ``--tasks a,b`` / ``--tasks=a,b``."""
+    at, first = flag_value(flags, "--tasks")
+    if first is None:
+        return []
+    names = [first]
+    if flags[at] == first:  # separate values, up to the next flag
+        for f in flags[at + 1:]:
+            if f.startswith("-"):
+                break
+            names.append(f)
+    return [t for name in names for t in name.split(",") if t]
+
+
+def per_length_samples(flags: list[str], lengths: list[int], n: int) -> dict:
+    """lm_eval's --samples for the first ``n`` samples of each RULER length: each length
+    generates RULER_SAMPLES of them, one length after the other."""
+    from errors import EvalError
+    if n < 1 or n > RULER_SAMPLES:
+        raise EvalError(f"--per-length={n}: give 1 to {RULER_SAMPLES} (RULER makes "
+                        f"{RULER_SAMPLES} samples per length)")
+    if flag_value(flags, "--limit")[1] is not None or flag_value(flags, "--samples")[1]:
+        raise EvalError("--per-length chooses the samples: leave out --limit and --samples")
+    tasks = tasks_of(flags)
+    if not tasks or not lengths:
+        raise EvalError("--per-length needs --tasks and --metadata's max_seq_lengths")
+    index = [k * RULER_SAMPLES + i for k in range(len(lengths)) for i in range(n)]
+    return {task: index for task in tasks}
 
 
 def lm_eval_argv(args, tokenizer_dir: pathlib.Path, seq_len: int) -> tuple[list[str], int]:
@@ -91,6 +126,8 @@ def lm_eval_argv(args, tokenizer_dir: pathlib.Path, seq_len: int) -> tuple[list[
         raise EvalError(f"--metadata max_seq_lengths={lengths!r}: give a list of positive "
                         f"token counts, e.g. [512, 1024]")
     max_length = args.max_length or max([seq_len, *(n + SLACK for n in lengths)])
+    if args.per_length is not None:
+        flags += ["--samples", json.dumps(per_length_samples(flags, lengths, args.per_length))]
     if max_length < 2:
         raise EvalError(f"--max-length={max_length} must be >= 2")
     if at >= 0:

@@ -241,3 +241,24 @@ def test_offline_preparation_respects_the_users_settings(tmp_path):
     env = {"NLTK_DATA": str(tmp_path / "mine")}
     assert offline.prepare(env) == ["HF_HUB_OFFLINE=1", "HF_DATASETS_OFFLINE=1"]
     assert env["NLTK_DATA"] == str(tmp_path / "mine")
+
+
+def test_per_length_picks_the_first_samples_of_every_length(tmp_path):
+    from scripts import eval_harness as eh
+    args = eh.parse_args(["--run", "R", "--per-length", "3", "--", "--tasks", "niah_single_1",
+                          "niah_multikey_2", "--metadata", '{"max_seq_lengths": [512, 1024]}'])
+    argv, max_length = eh.lm_eval_argv(args, tmp_path, seq_len=128)
+    samples = json.loads(argv[argv.index("--samples") + 1])
+    assert samples == {t: [0, 1, 2, 500, 501, 502] for t in ("niah_single_1", "niah_multikey_2")}
+    assert max_length == 1024 + 64 and argv[:4] == ["lm-eval", "run", "--model", "stripedjax"]
+    metadata = json.loads(argv[argv.index("--metadata") + 1])
+    assert metadata == {"max_seq_lengths": [512, 1024], "tokenizer": str(tmp_path)}
+    assert json.loads(argv[argv.index("--model_args") + 1]) == {"run": "R", "max_length": 1088}
+    with pytest.raises(EvalError, match="--per-length chooses the samples: leave out --limit"):
+        eh.lm_eval_argv(eh.parse_args(["--run", "R", "--per-length", "3", "--", "--tasks", "x",
+                                       "--limit", "2", "--metadata",
+                                       '{"max_seq_lengths": [512]}']), tmp_path, 128)
+    user = eh.parse_args(["--run", "R", "--", "--tasks", "x", "--model_args", "truncate=true"])
+    argv, max_length = eh.lm_eval_argv(user, tmp_path, seq_len=128)
+    assert max_length == 128 and argv[argv.index("--model_args") + 1] == \
+        "run=R,max_length=128,truncate=true"
