@@ -23,7 +23,9 @@ is applied only where the run's tokenizer has one (an imported model's tokenizer
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 import pathlib
 import sys
 
@@ -33,6 +35,8 @@ from lm_eval.api.registry import register_model
 from errors import EvalError
 
 DEFAULT_MAX_GEN_TOKS = 256
+MAX_NEW_NAMES = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+KNOWN_GEN_KWARGS = {"until", "do_sample", "temperature", "top_k", *MAX_NEW_NAMES}
 
 
 def _say(msg: str):
@@ -63,20 +67,25 @@ class StripedJaxLM(TemplateLM):
         self.run = open_run(run, log=log)
         config, mesh = eval_setup(self.run.config, log)
         trainer = Trainer(config, mesh)
-        got = self.run.restore_params(trainer.abstract_state.params,
-                                      step=None if step is None else int(step))
-        self.params, self.step = got.params, got.step
-        self.tok = self.run.tokenizer
-        self._max_length = int(max_length or config.data.seq_len)
-        self._max_gen_toks = int(max_gen_toks)
-        if self._max_length < 2 or self._max_gen_toks < 1:
-            raise EvalError(f"stripedjax: max_length={self._max_length} must be >= 2 and "
-                            f"max_gen_toks={self._max_gen_toks} >= 1")
+        self._max_length = _positive_int(max_length or config.data.seq_len, "max_length")
+        self._max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         rows = (int(config.data.batch_size) if str(batch_size).lower() == "auto"
                 else _positive_int(batch_size, "batch_size"))
-        self.truncate, self.seed, self.truncated = _flag(truncate), int(seed), 0
-        vocab = self.tok.get_vocab_size()
+        self.truncate, self.truncated = _flag(truncate), 0
+        self.seed, self._calls = _positive_int(seed, "seed", zero=True), 0
         self.buckets = Buckets(config, mesh, self._max_length)
+        if self._max_length < 2 or self.buckets(self._max_length) is None:
+            from evaluation.lengths import nearby_valid, unit
+            near = nearby_valid(config, mesh, self._max_length, 2, unit(config, mesh))
+            raise EvalError(f"stripedjax: max_length={self._max_length} is no row length "
+                            f"the run's layout and mesh accept; valid lengths near it: "
+                            f"{', '.join(map(str, near)) or 'none'}")
+        got = self.run.restore_params(
+            trainer.abstract_state.params,
+            step=None if step is None else _positive_int(step, "step", zero=True))
+        self.params, self.step = got.params, got.step
+        self.tok = self.run.tokenizer
+        vocab = self.tok.get_vocab_size()
         self.scorer = Scorer(trainer, vocab, self.buckets, rows)
         self.generator = Generator(trainer, vocab)
         self.rows_per_pass = self.scorer.rows_per_pass
@@ -90,8 +99,18 @@ class StripedJaxLM(TemplateLM):
     # -- what lm_eval reads ------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
+        """An imported model's own end-of-text (its tokenizer_config.json's eos_token, as
+        HFLM reads it: an instruct model's end of turn), else the tokenizer's."""
         from data.tokenizer import eos_id
-        return eos_id(self.tok)
+        from hf.convert import HF_DIR
+        config = self.run.directory / HF_DIR / "tokenizer_config.json"
+        try:
+            eos = json.loads(config.read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        own = self.tok.token_to_id(eos) if isinstance(eos, str) else None
+        return eos_id(self.tok) if own is None else own
 
     @property
     def prefix_token_id(self) -> int:
@@ -117,7 +136,8 @@ class StripedJaxLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(self.run.directory).replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   **kwargs) -> list[int]:
         # as HFLM: the tokenizer's own special tokens (an imported Llama's begin-of-text),
         # unless the string already starts with them
         if add_special_tokens is None:
@@ -193,12 +213,16 @@ class StripedJaxLM(TemplateLM):
         with _progress(len(requests), "generate_until", disable_tqdm) as bar:
             for members in groups.values():
                 kwargs = dict(requests[members[0]].args[1])
-                until, max_new, sampling = _gen_settings(kwargs, eos_text, self._max_gen_toks)
-                prompts = {i: self._prompt(requests[i].args[0], max_new) for i in members}
+                ignored = sorted(set(kwargs) - KNOWN_GEN_KWARGS)
+                if ignored:
+                    self.log(f"stripedjax: ignoring generation setting(s) {', '.join(ignored)} "
+                             f"(supported: {', '.join(sorted(KNOWN_GEN_KWARGS))})")
+                gen = GenSettings.of(kwargs, eos_text, self._max_gen_toks)
+                prompts = {i: self._prompt(requests[i].args[0], gen.max_new) for i in members}
                 members.sort(key=lambda i: -len(prompts[i]))
                 for first in range(0, len(members), self.rows_per_pass):
                     batch = members[first:first + self.rows_per_pass]
-                    texts = self._generate([prompts[i] for i in batch], max_new, until, sampling)
+                    texts = self._generate([prompts[i] for i in batch], gen)
                     for i, text in zip(batch, texts):
                         out[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -213,7 +237,11 @@ class StripedJaxLM(TemplateLM):
         ids = self.tok_encode(context) or [self.prefix_token_id]
         if len(ids) <= room:
             return ids
-        if room < 1 or not self.truncate:
+        if room < 1:
+            raise EvalError(f"stripedjax: max_gen_toks={max_new} leaves no room for a prompt "
+                            f"in max_length={self._max_length}; lower it (--gen_kwargs "
+                            f"max_gen_toks=N) or raise max_length")
+        if not self.truncate:
             raise EvalError(
                 f"stripedjax: a prompt of {len(ids)} tokens and {max_new} to generate exceed "
                 f"max_length={self._max_length}; raise max_length (scripts/eval_harness.py "
@@ -222,24 +250,25 @@ class StripedJaxLM(TemplateLM):
         self.truncated += 1
         return ids[-room:]
 
-    def _generate(self, prompts: list[list[int]], max_new: int, until: list[str],
-                  sampling) -> list[str]:
+    def _generate(self, prompts: list[list[int]], gen: "GenSettings") -> list[str]:
         # a multiple of the data x fsdp axes: filler rows, dropped below
         rows = prompts + [prompts[-1]] * (-len(prompts) % self.batch_shards)
         length = self.buckets(max(len(p) for p in rows))
         if length is None:
             raise EvalError(f"stripedjax: a prompt of {max(map(len, rows))} tokens has no row "
                             f"length the layout accepts within max_length={self._max_length}")
-        stops = [u for u in until if u]
+        stops = [u for u in gen.until if u]
         longest = max((len(u) for u in stops), default=0)
 
         def stop(row, tokens):  # a stop string in the text generated so far
             tail = self.tok_decode(tokens[-(longest + 8):]) if longest else ""
             return any(u in tail for u in stops)
 
-        got = self.generator.generate(self.params, rows, max_new, length=length,
-                                      eos=self.eot_token_id, sampling=sampling,
-                                      seed=self.seed, stop=stop if stops else None)
+        self._calls += 1  # each batch its own keys: repeated requests sample anew
+        got = self.generator.generate(self.params, rows, gen.max_new, length=length,
+                                      eos=self.eot_token_id, sampling=gen.sampling,
+                                      seed=self.seed * 100_003 + self._calls,
+                                      stop=stop if stops else None, real=len(prompts))
         texts = []
         for tokens in got[:len(prompts)]:
             text = self.tok_decode(tokens)
@@ -249,34 +278,39 @@ class StripedJaxLM(TemplateLM):
         return texts
 
 
-def _gen_settings(kwargs: dict, eos_text: str, default_max: int):
-    """(stop strings, max new tokens, Sampling) from a task's generation kwargs, as HFLM
-    reads them."""
-    from evaluation.kv_cache import Sampling
-    until = kwargs.pop("until", None)
-    until = [until] if isinstance(until, str) else list(until or [])
-    if eos_text and eos_text not in until:
-        until.append(eos_text)
-    max_new = default_max
-    for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens"):
-        if kwargs.get(name) is not None:
-            max_new = int(kwargs[name])
-            break
-    temperature = float(kwargs.get("temperature") or 0.0)
-    do_sample = kwargs.get("do_sample")
-    greedy = not (do_sample if do_sample is not None else temperature > 0) or temperature <= 0
-    sampling = (Sampling() if greedy else
-                Sampling(greedy=False, temperature=temperature, top_k=int(kwargs.get("top_k") or 0)))
-    return until, max_new, sampling
+@dataclasses.dataclass(frozen=True)
+class GenSettings:
+    """A task's generation kwargs as HFLM reads them."""
+    until: tuple[str, ...]  # stop strings, the end-of-text token's among them
+    max_new: int
+    sampling: object  # evaluation.kv_cache.Sampling
+
+    @classmethod
+    def of(cls, kwargs: dict, eos_text: str, default_max: int) -> "GenSettings":
+        from evaluation.kv_cache import Sampling
+        until = kwargs.get("until")
+        until = [until] if isinstance(until, str) else list(until or [])
+        if eos_text and eos_text not in until:
+            until.append(eos_text)
+        max_new = next((int(kwargs[n]) for n in MAX_NEW_NAMES if kwargs.get(n) is not None),
+                       default_max)
+        temperature = float(kwargs.get("temperature") or 0.0)
+        do_sample = kwargs.get("do_sample")
+        greedy = not (do_sample if do_sample is not None else temperature > 0) or temperature <= 0
+        top_k = int(kwargs.get("top_k") or 0)
+        sampling = Sampling() if greedy else Sampling(False, temperature, top_k)
+        return cls(tuple(until), max_new, sampling)
 
 
-def _positive_int(value, name: str) -> int:
+def _positive_int(value, name: str, zero: bool = False) -> int:
     try:
         n = int(value)
     except (TypeError, ValueError):
-        n = 0
-    if n < 1:
-        raise EvalError(f"stripedjax: {name}={value!r} must be a positive integer or auto")
+        n = -1
+    if n < (0 if zero else 1):
+        raise EvalError(f"stripedjax: {name}={value!r} must be a "
+                        f"{'non-negative' if zero else 'positive'} integer"
+                        f"{' or auto' if name == 'batch_size' else ''}")
     return n
 
 

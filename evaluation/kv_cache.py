@@ -143,20 +143,10 @@ class Generator:
 
         def prefill(params, tokens_BL, positions_BL, segments_BL, cache_pos, last_B, key):
             model = nnx.merge(graphdef, params)
-            block_def, stacked = nnx.split(model.blocks)
-
-            def layer(x_BLD, layer_state):
-                if model.act_sharding is not None:
-                    x_BLD = jax.lax.with_sharding_constraint(x_BLD, model.act_sharding)
-                return nnx.merge(block_def, layer_state).attend(x_BLD, positions_BL, segments_BL)
-
-            x_BLD, (k, v) = jax.lax.scan(layer, model.embed_tokens(tokens_BL), stacked)
+            x_BLD, (k, v) = model.hidden(tokens_BL, positions_BL, segments_BL, keep_kv=True)
             x_BD = jnp.take_along_axis(x_BLD, last_B[:, None, None], axis=1)[:, 0]
-            logits_BV = jnp.einsum("bd,dv->bv", model.final_norm(x_BD),
-                                   model.head_DV().astype(model.dtype),
-                                   preferred_element_type=jnp.float32)
             cache = Cache(grow(k), grow(v), cache_pos)
-            return cache, pick(logits_BV, key, sampling, vocab)
+            return cache, pick(model.next_logits(x_BD), key, sampling, vocab)
 
         return jax.jit(prefill, in_shardings=(self.trainer.param_shardings, *[self._rows()] * 4,
                                               None, None),
@@ -200,11 +190,8 @@ class Generator:
             layers = jnp.arange(model.num_layers, dtype=jnp.int32)
             (x_B1D, kc, vc), _ = jax.lax.scan(
                 layer, (model.embed_tokens(token_B[:, None]), cache.k, cache.v), (stacked, layers))
-            logits_BV = jnp.einsum("bd,dv->bv", model.final_norm(x_B1D[:, 0]),
-                                   model.head_DV().astype(model.dtype),
-                                   preferred_element_type=jnp.float32)
             new = Cache(kc, vc, write_pos(cache.pos, pos_B, slot, owner))
-            return new, pick(logits_BV, key, sampling, vocab)
+            return new, pick(model.next_logits(x_B1D[:, 0]), key, sampling, vocab)
 
         return jax.jit(decode, donate_argnums=(1,),
                        in_shardings=(self.trainer.param_shardings, self._cache_shardings(),
@@ -224,12 +211,14 @@ class Generator:
     # -- host side -------------------------------------------------------------------------
     def generate(self, params, prompts: list[list[int]], max_new_tokens: int, *, length: int,
                  eos: int | None, sampling: Sampling = Sampling(), seed: int = 0,
-                 stop=None) -> list[list[int]]:
+                 stop=None, real: int | None = None) -> list[list[int]]:
         """Up to ``max_new_tokens`` new tokens per prompt (a row of the batch each; the batch
         a multiple of the data x fsdp axes), ending at ``eos`` (not included) or where
         ``stop(row, tokens)`` says. ``length``: the padded prompt length, one the layout
-        accepts (evaluation.lengths.Buckets) and at least the longest prompt."""
+        accepts (evaluation.lengths.Buckets) and at least the longest prompt. ``real``: the
+        rows that count (the others fill the batch): generation ends when they are done."""
         from data.batching import to_layout
+        from evaluation.lengths import pad_rows
         from parallel.layouts import inverse, permutation
         a, S = self.config.attention, self.shards
         B, L = len(prompts), int(length)
@@ -237,17 +226,8 @@ class Generator:
         if n_B.min() < 1 or n_B.max() > L:
             raise ValueError(f"prompts of {n_B.min()}-{n_B.max()} tokens do not fit rows of {L}")
         gen_slots = max(1, -(-(max_new_tokens - 1) // S))
-        tokens_BL = np.zeros((B, L), np.int32)
-        for i, p in enumerate(prompts):
-            tokens_BL[i, :len(p)] = p
-        natural_L = np.arange(L, dtype=np.int32)
-        real_BL = natural_L[None] < n_B[:, None]
-        # Padding gets position 0 for RoPE (a dynamic scaling then reads the longest prompt)
-        # and EMPTY in the cache; inside the prefill the causal mask by slot hides it.
-        natural = {"tokens": tokens_BL,
-                   "positions": np.where(real_BL, natural_L, 0).astype(np.int32),
-                   "segment_ids": np.ones((B, L), np.int32),
-                   "cache_pos": np.where(real_BL, natural_L, EMPTY).astype(np.int32)}
+        natural, real_BL = pad_rows(prompts, L)
+        natural["cache_pos"] = np.where(real_BL, np.arange(L), EMPTY).astype(np.int32)
         rows = to_layout(natural, a.layout, S, int(a.stripe))
         cache_pos = np.concatenate(  # each device's prompt slots, then its G empty ones
             [rows["cache_pos"].reshape(B, S, L // S),
@@ -259,7 +239,7 @@ class Generator:
             params, rows["tokens"], rows["positions"], rows["segment_ids"], cache_pos, last_B, sub)
         decode = self._decode(L // S, sampling)
         out: list[list[int]] = [[] for _ in prompts]
-        done = np.zeros(B, bool)
+        done = np.arange(B) >= (B if real is None else real)
         pos_B = jnp.asarray(n_B.astype(np.int32))
         for t in range(max_new_tokens):
             ahead = None

@@ -1,9 +1,11 @@
-"""Which row lengths a run's mesh, layout and attention accept, and the lengths evaluation
-pads rows to: the trainer's own checks (training/validate.py) decide, so a length that
-evaluates here would also train."""
+"""Which row lengths a run's mesh, layout and attention accept, the lengths evaluation pads
+rows to, and the padded rows: the trainer's own checks (training/validate.py) decide, so a
+length that evaluates here would also train."""
 from __future__ import annotations
 
 import functools
+
+import numpy as np
 
 
 def length_problem(config, mesh, length: int) -> str | None:
@@ -46,7 +48,8 @@ def nearby_valid(config, mesh, length: int, shortest: int, step: int, want: int 
 class Buckets:
     """The length a row of ``n`` tokens is padded to: the smallest valid length at or above
     the next power of two (at least 64), so that rows of many lengths share a few compiled
-    programs; ``None`` past ``cap``."""
+    programs; where that passes ``cap``, the smallest valid length from ``n`` up to ``cap``
+    (or up to one layout unit, for a cap below it); ``None`` when there is none."""
 
     def __init__(self, config, mesh, cap: int):
         self.config, self.mesh, self.cap = config, mesh, int(cap)
@@ -62,3 +65,18 @@ class Buckets:
                     return length
                 length += self.unit
         return None
+
+
+def pad_rows(token_lists, length: int) -> tuple[dict, np.ndarray]:
+    """(natural-order batch of tokens, positions and segment ids [B, length], real [B, length]):
+    each row's tokens, then padding after them, where the causal mask hides it. Padding gets
+    position 0 for RoPE, so the largest position in a row is its own last token's (a dynamic
+    RoPE scaling reads the batch's largest)."""
+    B = len(token_lists)
+    tokens_BL = np.zeros((B, length), np.int32)
+    for i, row in enumerate(token_lists):
+        tokens_BL[i, :len(row)] = row
+    natural_L = np.arange(length, dtype=np.int32)
+    real_BL = natural_L[None] < np.array([len(r) for r in token_lists])[:, None]
+    return {"tokens": tokens_BL, "positions": np.where(real_BL, natural_L, 0).astype(np.int32),
+            "segment_ids": np.ones((B, length), np.int32)}, real_BL

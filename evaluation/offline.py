@@ -21,9 +21,6 @@ import tempfile
 
 from errors import EvalError
 
-OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt",
-                 "ruler_cwe", "ruler_fwe")
-
 
 def prepare(environ=os.environ, folder: pathlib.Path | None = None) -> list[str]:
     """Sets what the offline tasks need, before nltk or lm_eval is imported; the user's own

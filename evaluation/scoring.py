@@ -21,8 +21,9 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """``tokens`` fed to the model; the last ``scored`` of them are predicted by the ones
-    before (their log-likelihood is summed) and ``target`` is the token after the last."""
+    """``tokens`` fed to the model and ``target``, the token after the last: the last
+    ``scored`` of ``tokens[1:] + (target,)`` are scored, each predicted by the tokens before it
+    (their log-likelihoods are summed)."""
     tokens: tuple[int, ...]
     target: int
     scored: int
@@ -62,6 +63,7 @@ class Scorer:
         """One ``(log-likelihood, greedy)`` per row, in the given order. Rows are run longest
         first so that a pass holds rows of similar lengths."""
         from data.batching import to_layout
+        from evaluation.lengths import pad_rows
         a, S = self.config.attention, int(self.mesh.shape["sequence"])
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i].tokens))
         out: list[tuple[float, bool] | None] = [None] * len(rows)
@@ -71,24 +73,19 @@ class Scorer:
             longest = len(chunk[0].tokens)
             L = self.buckets(longest)
             if L is None:
-                raise ValueError(f"a row of {longest} tokens is longer than the longest the "
-                                 f"layout accepts here ({self.buckets.cap})")
+                from errors import EvalError
+                raise EvalError(f"a row of {longest} tokens has no length the layout accepts "
+                                f"up to max_length={self.buckets.cap}")
             B = self.rows_per_pass
-            tokens = np.zeros((B, L), np.int32)
+            # rows past the chunk stay empty: nothing scored
+            natural, _ = pad_rows([r.tokens for r in chunk] + [()] * (B - len(chunk)), L)
             labels = np.zeros((B, L), np.int32)
             mask = np.zeros((B, L), np.float32)
-            real = np.zeros((B, L), bool)
-            for r, row in enumerate(chunk):  # rows past the chunk stay empty: nothing scored
+            for r, row in enumerate(chunk):
                 n = len(row.tokens)
-                tokens[r, :n] = row.tokens
-                labels[r, :n - 1] = row.tokens[1:]
-                labels[r, n - 1] = row.target
+                labels[r, :n] = (*row.tokens[1:], row.target)
                 mask[r, n - row.scored:n] = 1.0
-                real[r, :n] = True
-            natural_L = np.arange(L, dtype=np.int32)
-            natural = {"tokens": tokens, "labels": labels, "loss_mask": mask,
-                       "positions": np.where(real, natural_L, 0).astype(np.int32),
-                       "segment_ids": np.ones((B, L), np.int32)}
+            natural.update(labels=labels, loss_mask=mask)
             batch = {k: jax.device_put(v, self.trainer.batch_shardings[k])
                      for k, v in to_layout(natural, a.layout, S, int(a.stripe)).items()}
             loglik_B, greedy_B = jax.device_get(self._forward(params, batch))

@@ -53,7 +53,7 @@ def write_tokenizer(run, out: pathlib.Path, model_max_length: int) -> pathlib.Pa
     for name in SIDE_FILES[2:]:
         if side and (side / name).is_file():
             shutil.copyfile(side / name, out / name)
-    if not (out / "tokenizer_config.json").is_file():
+    if not (side and (side / "tokenizer_config.json").is_file()):  # ours, written anew
         eos = next((tok.token_to_id(n) for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
         bos_name = next((n for n in BOS_NAMES if tok.token_to_id(n) is not None), None)
         (out / "tokenizer_config.json").write_text(json.dumps({

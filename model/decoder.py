@@ -89,8 +89,10 @@ class Decoder(nnx.Module):
         """The output projection [D, V]: the embedding table itself when tied."""
         return self.embed[...].T if self.head is None else self.head[...]
 
-    def hidden(self, tokens_BL, positions_BL, segment_ids_BL):
-        """The last block's output [B, L, D] (before the final norm), in the batch's layout."""
+    def hidden(self, tokens_BL, positions_BL, segment_ids_BL, keep_kv: bool = False):
+        """The last block's output [B, L, D] (before the final norm), in the batch's layout.
+        ``keep_kv``: (output, (k, v)) with every layer's keys and values stacked
+        ``[layers, B, L, Hkv, D]`` (a KV cache's prefill, evaluation/kv_cache.py)."""
         x_BLD = self.embed_tokens(tokens_BL)
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -101,16 +103,25 @@ class Decoder(nnx.Module):
             # ([layers, B, L, D]); offload_input moves exactly these to host memory.
             x_BLD = checkpoint_name(x_BLD, "layer_input")
             block = nnx.merge(graphdef, layer_state)
-            return block(x_BLD, positions_BL, segment_ids_BL), None
+            x_BLD, kv = block.attend(x_BLD, positions_BL, segment_ids_BL)
+            return x_BLD, kv if keep_kv else None
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
         if self.scan_layers:
-            x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+            x_BLD, kv = jax.lax.scan(layer, x_BLD, stacked)
         else:
+            kvs = []
             for i in range(self.num_layers):
-                x_BLD, _ = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
-        return x_BLD
+                x_BLD, kv = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
+                kvs.append(kv)
+            kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs) if keep_kv else None
+        return (x_BLD, kv) if keep_kv else x_BLD
+
+    def next_logits(self, x_BD):
+        """fp32 next-token logits [B, V] of last-block outputs [B, D] (generation)."""
+        return jnp.einsum("bd,dv->bv", self.final_norm(x_BD), self.head_DV().astype(self.dtype),
+                          preferred_element_type=jnp.float32)
 
     def embed_tokens(self, tokens_BL):
         """The embedding rows of ``tokens_BL`` [B, L, D] in the compute dtype."""

@@ -1,7 +1,7 @@
 """Evaluate a run with EleutherAI's lm-evaluation-harness (lm_eval) through the `stripedjax` model.
 
-    python scripts/eval_harness.py --run RUN [--step N] [--max-length N] [--build-timeout S]
-        -- <lm_eval flags: --tasks ... --metadata ... --batch_size ... --output_path ...>
+    python scripts/eval_harness.py --run RUN [--step N] [--max-length N] [--per-length N]
+        [--build-timeout S] -- <lm_eval flags: --tasks ... --metadata ... --output_path ...>
 
     pip install -r requirements-eval.txt   (make test installs it)
 
@@ -18,10 +18,11 @@ starts, the script:
   an empty nltk punkt_tab so that RULER's niah code does not try to download it, and a time
   limit on each task's data build (RULER's vt/cwe generators can loop forever).
 
-``--max-length`` (the longest row, prompt and generation together) defaults to the run's
-data.seq_len, or, when ``--metadata`` gives RULER's ``max_seq_lengths``, to the longest of them
-plus 64: RULER keeps its generation room inside the length, then appends an answer prefix
-that runs past it. RULER's offline tasks: niah_single_1, niah_multikey_2, niah_multikey_3,
+``--max-length`` (the longest row, prompt and generation together) defaults to the larger of
+the run's data.seq_len and, when ``--metadata`` gives RULER's ``max_seq_lengths``, the longest
+of them plus 64: RULER keeps its generation room inside the length, then appends an answer
+prefix that runs past it. ``--batch_size`` (rows per pass) defaults to ``auto``: the run's
+data.batch_size. RULER's offline tasks: niah_single_1, niah_multikey_2, niah_multikey_3,
 ruler_vt, ruler_cwe, ruler_fwe. Each length makes 500 samples and ``--limit`` takes the first
 length's only: ``--per-length N`` takes the first N of every length (it writes lm_eval's
 ``--samples``, e.g. ``'{"niah_single_1": [0, 1, 500, 501]}'`` for N = 2 and two lengths).
@@ -131,20 +132,31 @@ def lm_eval_argv(args, tokenizer_dir: pathlib.Path, seq_len: int) -> tuple[list[
     if max_length < 2:
         raise EvalError(f"--max-length={max_length} must be >= 2")
     if at >= 0:
-        flags[at] = json.dumps(metadata) if flags[at] == raw else f"--metadata={json.dumps(metadata)}"
+        flags[at] = json.dumps(metadata) if flags[at] == raw else \
+            f"--metadata={json.dumps(metadata)}"
     else:
         flags += ["--metadata", json.dumps(metadata)]
     model_args = {"run": str(args.run), "max_length": max_length}
     if args.step is not None:
         model_args["step"] = args.step
     at, raw = flag_value(flags, "--model_args")
-    if raw is not None:  # the user's own (truncate=true, batch_size, ...) after ours
+    if raw is not None:  # the user's own (truncate=true, ...) after ours
+        if "batch_size" in raw:
+            raise EvalError("give the batch as lm_eval's --batch_size N, not in --model_args "
+                            "(lm_eval passes its own --batch_size to the model as well)")
         del flags[at - (1 if flags[at] == raw else 0):at + 1]
-        extra = ",".join(f"{k}={v}" for k, v in model_args.items())
-        model_args_flag = f"{extra},{raw}" if not raw.lstrip().startswith("{") else \
-            json.dumps({**model_args, **json.loads(raw)})
+        if raw.lstrip().startswith("{"):
+            try:
+                model_args_flag = json.dumps({**model_args, **json.loads(raw)})
+            except (ValueError, TypeError):
+                raise EvalError(f"--model_args {raw!r}: not a JSON object; give key=value,... "
+                                f"or JSON") from None
+        else:
+            model_args_flag = ",".join(f"{k}={v}" for k, v in model_args.items()) + "," + raw
     else:
         model_args_flag = json.dumps(model_args)
+    if flag_value(flags, "--batch_size")[1] is None:  # lm_eval's default is 1 row
+        flags += ["--batch_size", "auto"]
     return ["lm-eval", "run", "--model", "stripedjax", "--model_args", model_args_flag, *flags], \
         max_length
 

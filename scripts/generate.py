@@ -61,22 +61,17 @@ def check_args(args):
         raise CheckpointError(f"--top-k={args.top_k} must be >= 0 (0 samples among all tokens)")
 
 
-def generate(run, trainer, params, ids: list[int], args, log) -> list[int]:
+def generate(run, trainer, params, ids: list[int], args) -> list[int]:
     """Greedy or sampled tokens after ``ids`` with the KV cache on the trainer's mesh."""
     from evaluation.kv_cache import Generator
     from evaluation.lengths import Buckets
     config, mesh = trainer.config, trainer.mesh
     seq_len = int(config.data.seq_len)
-    keep = seq_len - args.max_new_tokens
-    if len(ids) > keep:
-        log(f"the prompt's {len(ids)} tokens and {args.max_new_tokens} new ones exceed the "
-            f"run's data.seq_len={seq_len}: keeping the prompt's last {keep} tokens")
-        ids = ids[-keep:]
     gen = Generator(trainer, run.tokenizer.get_vocab_size())
     rows = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])  # one prompt in every row
     length = Buckets(config, mesh, seq_len)(len(ids))
     return gen.generate(params, [ids] * rows, args.max_new_tokens, length=length,
-                        eos=eos_of(run), sampling=sampling(args), seed=args.seed)[0]
+                        eos=eos_of(run), sampling=sampling(args), seed=args.seed, real=1)[0]
 
 
 def sampling(args):
@@ -108,6 +103,12 @@ def main(argv=None) -> int:
                                   f"a prompt in the run's data.seq_len="
                                   f"{int(run.config.data.seq_len)}; use fewer")
         ids = run.tokenizer.encode(args.prompt).ids or [eos_of(run)]  # empty: a new document
+        keep = int(run.config.data.seq_len) - args.max_new_tokens
+        if len(ids) > keep:
+            stderr(f"the prompt's {len(ids)} tokens and {args.max_new_tokens} new ones exceed "
+                   f"the run's data.seq_len={int(run.config.data.seq_len)}: keeping the "
+                   f"prompt's last {keep} tokens")
+            ids = ids[-keep:]
         t0 = time.perf_counter()
         if args.no_cache:
             from evaluation import recompute
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
             got = run.restore_params(trainer.abstract_state.params, step=args.step)
             where = (f"{config.attention.impl} attention, {config.attention.layout} layout, "
                      f"mesh {'x'.join(str(v) for v in mesh.shape.values())}, KV cache")
-            tokens = generate(run, trainer, got.params, ids, args, stderr)
+            tokens = generate(run, trainer, got.params, ids, args)
         stderr(f"{run.directory}: step {got.step} ({got.path}); {sampling(args).describe()}"
                f"{'' if args.greedy else f', seed {args.seed}'}; {where}")
         text = run.tokenizer.decode(tokens)

@@ -113,9 +113,9 @@ def test_against_transformers_hflm_on_a_tiny_llama(rng, tmp_path):
     ours = StripedJaxLM(run=str(tmp_path / "run"), batch_size=4, max_length=64,
                         log=lambda m: None)
     words = [ours.tok.decode([int(i)]) for i in rng.integers(5, 250, 200)]
-    ll = [Instance("loglikelihood", {}, (" ".join(rng.choice(words, int(rng.integers(2, 20)))),
-                                         " " + " ".join(rng.choice(words, int(rng.integers(1, 6))))),
-                   i) for i in range(8)]
+    def text(low, high):
+        return " ".join(rng.choice(words, int(rng.integers(low, high))))
+    ll = [Instance("loglikelihood", {}, (text(2, 20), " " + text(1, 6)), i) for i in range(8)]
     for (a, ga), (b, gb) in zip(ours.loglikelihood(ll, True), theirs.loglikelihood(ll, True)):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)) and ga == gb
     gen = [Instance("generate_until", {}, (" ".join(rng.choice(words, 10)),
