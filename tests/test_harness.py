@@ -262,3 +262,14 @@ def test_per_length_picks_the_first_samples_of_every_length(tmp_path):
     argv, max_length = eh.lm_eval_argv(user, tmp_path, seq_len=128)
     assert max_length == 128 and argv[argv.index("--model_args") + 1] == \
         "run=R,max_length=128,truncate=true"
+
+
+def test_generation_settings_are_read_as_hflm_reads_them():
+    from evaluation.harness import GenSettings
+    from evaluation.kv_cache import Sampling
+    g = GenSettings.of({"until": "\n\n", "max_new_tokens": 5, "temperature": 0.0}, "<eos>", 256)
+    assert g == GenSettings(("\n\n", "<eos>"), 5, Sampling())
+    g = GenSettings.of({"until": ["a", "<eos>"], "temperature": 0.7, "top_k": 3}, "<eos>", 256)
+    assert g == GenSettings(("a", "<eos>"), 256, Sampling(False, 0.7, 3))
+    assert GenSettings.of({"do_sample": False, "temperature": 0.7}, "", 9).sampling == Sampling()
+    assert GenSettings.of({"max_gen_toks": 7, "max_tokens": 3}, "", 9).max_new == 7
