@@ -152,14 +152,20 @@ def ruler(run_dir, tmp_path_factory):
 
     from checkpoints.rundir import open_run
     from hf.convert import write_tokenizer
-    env = {}
+    env = {k: os.environ[k] for k in ("NLTK_DATA",) if k in os.environ}
     offline.prepare(env, folder=tmp_path_factory.mktemp("nltk"))
-    os.environ.update(env)  # HF offline and NLTK_DATA, for this worker: no test goes online
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # HF offline and NLTK_DATA while these tests run
     import nltk
     nltk.data.path.extend(p for p in env.get("NLTK_DATA", "").split(os.pathsep) if p)
     folder = write_tokenizer(open_run(run_dir, log=lambda m: None),
                              tmp_path_factory.mktemp("tok"), 576)
-    return TaskManager(metadata={"max_seq_lengths": [512], "tokenizer": str(folder)})
+    yield TaskManager(metadata={"max_seq_lengths": [512], "tokenizer": str(folder)})
+    for k, v in saved.items():  # the worker's later test files see their own environment
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 class Stub(TemplateLM):
