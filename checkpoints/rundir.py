@@ -8,6 +8,7 @@ layer (``model.decoder.single_device_model``); this module does not know the mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -27,6 +28,21 @@ class Run:
     tokenizer: object  # tokenizers.Tokenizer
     fingerprint: str
     checkpoints: Checkpoints
+
+    @functools.cached_property
+    def eos(self) -> int:
+        """Where generation ends: an imported model's own end-of-text (its
+        tokenizer_config.json's ``eos_token``, as transformers reads it: an instruct model's
+        end of turn), else the tokenizer's end-of-text token (data.tokenizer.eos_id)."""
+        from data.tokenizer import eos_id
+        try:  # hf.convert.HF_DIR: the imported side files
+            eos = json.loads((self.directory / "hf" / "tokenizer_config.json").read_text())
+            eos = eos.get("eos_token") if isinstance(eos, dict) else None
+        except (OSError, ValueError):
+            eos = None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        own = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+        return eos_id(self.tokenizer) if own is None else own
 
     def restore_params(self, abstract_params, step: int | None = None) -> Restored:
         got = self.checkpoints.restore_params(

@@ -24,6 +24,7 @@ from data.batching import from_layout, to_layout  # noqa: F401  (part of the pub
 from data.iterator import TrainIterator
 from errors import DataError
 from parallel import layouts
+from parallel.mesh import batch_shards
 
 __all__ = ["Pipeline", "make_pipeline", "to_layout", "from_layout", "DataError"]
 
@@ -214,10 +215,10 @@ class Pipeline:
 def _check_shapes(seq_len: int, batch_size: int, layout: Layout, mesh: Mesh) -> None:
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"data.seq_len ({seq_len}) and data.batch_size ({batch_size}) must be >= 1")
-    batch_shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
-    if batch_size % batch_shards:
+    shards = batch_shards(mesh)
+    if batch_size % shards:
         raise DataError(f"data.batch_size={batch_size} is not divisible by the data x fsdp mesh axes "
-                        f"({batch_shards}); use a multiple of {batch_shards}")
+                        f"({shards}); use a multiple of {shards}")
     try:
         layouts.check(layout.name, seq_len, layout.num_shards, layout.stripe)
     except layouts.LayoutError as e:

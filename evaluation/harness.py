@@ -24,8 +24,8 @@ is applied only where the run's tokenizer has one (an imported model's tokenizer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-import json
 import pathlib
 import sys
 
@@ -61,6 +61,7 @@ class StripedJaxLM(TemplateLM):
         from evaluation.kv_cache import Generator
         from evaluation.lengths import Buckets
         from evaluation.scoring import Scorer
+        from parallel.mesh import batch_shards
         from training.eval_setup import eval_setup
         from training.state import Trainer
         self.log = log
@@ -89,7 +90,7 @@ class StripedJaxLM(TemplateLM):
         self.scorer = Scorer(trainer, vocab, self.buckets, rows)
         self.generator = Generator(trainer, vocab)
         self.rows_per_pass = self.scorer.rows_per_pass
-        self.batch_shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+        self.batch_shards = batch_shards(mesh)
         self._chat_tokenizer = None
         log(f"stripedjax: {self.run.directory} step {self.step}; {config.attention.impl} "
             f"attention, {config.attention.layout} layout, mesh "
@@ -99,20 +100,9 @@ class StripedJaxLM(TemplateLM):
     # -- what lm_eval reads ------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        """An imported model's own end-of-text (its tokenizer_config.json's eos_token, as
-        HFLM reads it: an instruct model's end of turn), else the tokenizer's."""
-        from data.tokenizer import eos_id
-        from hf.convert import HF_DIR
-        config = self.run.directory / HF_DIR / "tokenizer_config.json"
-        try:
-            eos = json.loads(config.read_text()).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        own = self.tok.token_to_id(eos) if isinstance(eos, str) else None
-        return eos_id(self.tok) if own is None else own
+        return self.run.eos  # an imported model's own (checkpoints/rundir.py), as HFLM's
 
-    @property
+    @functools.cached_property
     def prefix_token_id(self) -> int:
         """What an empty context starts with: begin-of-text where the tokenizer has one."""
         from hf.convert import BOS_NAMES

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from parallel.mesh import batch_shards
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -36,7 +38,7 @@ class Scorer:
     def __init__(self, trainer, usable_vocab: int, buckets, rows_per_pass: int):
         self.trainer, self.mesh, self.config = trainer, trainer.mesh, trainer.config
         self.usable_vocab, self.buckets = int(usable_vocab), buckets
-        shards = int(self.mesh.shape["data"]) * int(self.mesh.shape["fsdp"])
+        shards = batch_shards(self.mesh)
         self.rows_per_pass = -(-max(int(rows_per_pass), 1) // shards) * shards
 
     @functools.cached_property

@@ -56,6 +56,11 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
     return sizes
 
 
+def batch_shards(mesh) -> int:
+    """How many ways a batch's rows split: the data x fsdp axes (a batch is a multiple)."""
+    return math.prod(int(mesh.shape[a]) for a in BATCH_AXES)
+
+
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """Auto (GSPMD-propagated) axes: shardings are declared on params, batch and activations."""
     devices = jax.devices() if devices is None else devices

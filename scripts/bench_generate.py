@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from evaluation.lengths import Buckets
     from model.decoder import Decoder, single_device_model
     from model.layers import AttentionBackend
-    from parallel.mesh import make_mesh
+    from parallel.mesh import batch_shards, make_mesh
     from training.state import Trainer
     config = load(args.config, [])
     config.data.seq_len = max(int(config.data.seq_len), args.prompt + args.new)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     one = jax.device_put(params, jax.devices()[0])
     graphdef, _ = single_device_model(config)
     gen = Generator(trainer, vocab)
-    rows = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    rows = batch_shards(mesh)
     length = Buckets(config, mesh, config.data.seq_len)(args.prompt)
 
     def cached():

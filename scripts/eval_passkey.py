@@ -86,10 +86,11 @@ class Scorer:
     logits at the token before each answer token."""
 
     def __init__(self, config, mesh):
+        from parallel.mesh import batch_shards
         from training.state import Trainer
         self.config, self.mesh = config, mesh
         self.trainer = Trainer(config, mesh)
-        self.batch_shards = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+        self.batch_shards = batch_shards(mesh)
         self._forward = None
 
     def rows_per_pass(self, wanted: int) -> int:

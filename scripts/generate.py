@@ -65,23 +65,19 @@ def generate(run, trainer, params, ids: list[int], args) -> list[int]:
     """Greedy or sampled tokens after ``ids`` with the KV cache on the trainer's mesh."""
     from evaluation.kv_cache import Generator
     from evaluation.lengths import Buckets
+    from parallel.mesh import batch_shards
     config, mesh = trainer.config, trainer.mesh
     seq_len = int(config.data.seq_len)
     gen = Generator(trainer, run.tokenizer.get_vocab_size())
-    rows = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])  # one prompt in every row
+    rows = batch_shards(mesh)  # one prompt in every row
     length = Buckets(config, mesh, seq_len)(len(ids))
     return gen.generate(params, [ids] * rows, args.max_new_tokens, length=length,
-                        eos=eos_of(run), sampling=sampling(args), seed=args.seed, real=1)[0]
+                        eos=run.eos, sampling=sampling(args), seed=args.seed, real=1)[0]
 
 
 def sampling(args):
     from evaluation.kv_cache import Sampling
     return Sampling(greedy=args.greedy, temperature=args.temperature or 1.0, top_k=args.top_k)
-
-
-def eos_of(run) -> int:
-    from data.tokenizer import eos_id
-    return eos_id(run.tokenizer)
 
 
 def main(argv=None) -> int:
@@ -102,7 +98,7 @@ def main(argv=None) -> int:
             raise CheckpointError(f"--max-new-tokens={args.max_new_tokens} leaves no room for "
                                   f"a prompt in the run's data.seq_len="
                                   f"{int(run.config.data.seq_len)}; use fewer")
-        ids = run.tokenizer.encode(args.prompt).ids or [eos_of(run)]  # empty: a new document
+        ids = run.tokenizer.encode(args.prompt).ids or [run.eos]  # empty: a new document
         keep = int(run.config.data.seq_len) - args.max_new_tokens
         if len(ids) > keep:
             stderr(f"the prompt's {len(ids)} tokens and {args.max_new_tokens} new ones exceed "
@@ -119,7 +115,7 @@ def main(argv=None) -> int:
             tokens = recompute.generate(
                 graphdef, got.params, ids, args.max_new_tokens,
                 seq_len=int(run.config.data.seq_len), usable_vocab=run.tokenizer.get_vocab_size(),
-                eos=eos_of(run), sampling=sampling(args), seed=args.seed)
+                eos=run.eos, sampling=sampling(args), seed=args.seed)
         else:
             from training.eval_setup import eval_setup
             from training.state import Trainer
