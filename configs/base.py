@@ -60,9 +60,11 @@ def get_config() -> ml_collections.ConfigDict:
     a.stripe = 1  # striped layout: consecutive tokens per stripe (1 is the paper)
     a.block_q = 512  # query tile length inside each device's chunk (must divide it)
     a.block_kv = 512  # key/value tile length inside each device's chunk (must divide it)
-    # Per-round kernel: auto picks the fused Pallas kernel of the platform (GPU: Triton, TPU:
-    # Mosaic) and xla on a CPU; a Pallas value on a CPU runs in interpret mode (exact, slow).
-    a.kernel = "auto"  # auto | xla | pallas_gpu | pallas_tpu
+    # Per-round kernel: auto picks cudnn on a GPU where its one-time probe passes and the
+    # activations are bf16/fp16, else the platform's fused Pallas kernel (GPU: Triton, TPU:
+    # Mosaic), and xla on a CPU; a Pallas value on a CPU runs in interpret mode (exact, slow),
+    # cudnn a dense stand-in (exact). cudnn's rounds it cannot mask run pallas_gpu.
+    a.kernel = "auto"  # auto | xla | pallas_gpu | pallas_tpu | cudnn
     # Pallas tiles in positions, for the forward and both backward kernels; 0: each kernel's
     # defaults (parallel/kernels/pallas_gpu.py: per arch, head dim and dtype, from
     # scripts/gpu_compile.py; pallas_tpu.py: about 512 q rows, block_q x heads per kv head, and

@@ -54,7 +54,7 @@ class AttentionBackend:
     """Which attention kernel runs and over which mesh; static (hashable) model metadata."""
     impl: str = "dense"  # dense | ring | allgather | ulysses | usp
     layout: str = "contiguous"
-    kernel: str = "xla"  # resolved per-round kernel: xla | pallas_gpu | pallas_tpu
+    kernel: str = "xla"  # resolved per-round kernel: xla | pallas_gpu | pallas_tpu | cudnn
     stripe: int = 1
     block_q: int | None = None  # tiles in positions; None: the kernel's default
     block_kv: int | None = None

@@ -60,7 +60,7 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     order and ``q.dtype``. Batch is also split over the mesh's data/fsdp axes and heads over
     its tensor axis when they exist with size > 1. ``block_q``/``block_kv`` are the tile
     sizes inside each device's chunk (clamped to the chunk when larger; None: the kernel's
-    default). ``kernel``: ``auto | xla | pallas_gpu | pallas_tpu`` (``parallel/kernels``).
+    default). ``kernel``: ``auto | xla | pallas_gpu | pallas_tpu | cudnn`` (``parallel/kernels``).
     ``impl``: ``ring | allgather | ulysses | usp``; ``ulysses`` is usp's all-to-all degree U
     (it must divide the axis size and the local query and kv head counts; ulysses uses U = N).
     ``window``: a sliding window W (causal only; 0: none): a query at position p sees keys with
@@ -89,7 +89,7 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
         check_heads(impl, hq // nt, hkv // nt, n, u)
     chunk = length // n
     platform = kernels.platform_of(mesh)
-    kernel = kernels.resolve(kernel, platform)
+    kernel = kernels.resolve(kernel, platform, q.dtype)
     interpret = kernels.interpret(kernel, platform)
     tiles = tiling.plan(kernel, block_q, block_kv, group=hq // hkv, head_dim=d,
                         dtype=jnp.dtype(q.dtype).name, chunk=chunk, seq_len=length, shards=n,

@@ -88,7 +88,7 @@ def test_auto_resolves_per_platform():
     assert kernels.resolve("pallas_tpu", "cpu") == "pallas_tpu"
     assert kernels.interpret("pallas_gpu", "cpu") and kernels.interpret("pallas_tpu", "gpu")
     assert not kernels.interpret("xla", "cpu")
-    with pytest.raises(kernels.KernelError, match="valid: auto, xla, pallas_gpu, pallas_tpu"):
+    with pytest.raises(kernels.KernelError, match="valid: auto, xla, pallas_gpu, pallas_tpu, cudnn"):
         kernels.resolve("triton", "gpu")
 
 

@@ -58,19 +58,33 @@ def forget_after(workdir: pathlib.Path, step: int):
             path.write_text("".join(kept))
 
 
-def kernel_note(trainer: Trainer, mesh) -> str:
-    """The per-round attention kernel the model resolved to, and whether it is interpreted."""
+def kernel_note(trainer: Trainer, mesh, config=None) -> str:
+    """The per-round attention kernel the model resolved to (and why, for ``auto`` on a GPU),
+    whether it is interpreted, and for cudnn which kernel runs which rounds."""
     from parallel import kernels
     kernel = trainer.backend.kernel
-    interpreted = kernels.interpret(kernel, kernels.platform_of(mesh))
+    platform = kernels.platform_of(mesh)
+    interpreted = kernels.interpret(kernel, platform)
+    why = ""
+    if config is not None and config.attention.kernel == "auto" and platform != "cpu":
+        from model.decoder import compute_dtype
+        why = f" (auto: {kernels.auto_reason(platform, compute_dtype(config.model.dtype))})"
+    if kernel == "cudnn" and config is not None and config.attention.impl == "ring":
+        from parallel.kernels import cudnn
+        from parallel.layouts import permutation
+        a, n = config.attention, mesh.shape["sequence"]
+        perm = permutation(a.layout, config.data.seq_len, n, a.stripe)
+        return kernel + why + " (" + cudnn.startup_note(
+            perm, n, window=config.model.sliding_window, documents=bool(a.document_mask),
+            interpreted=interpreted) + ")"
     if interpreted:
         return kernel + " (Pallas interpret mode: exact but slow)"
     if kernel == "pallas_gpu":
         from parallel.kernels import pallas_gpu
         if pallas_gpu.TRITON_DEPRECATED:
-            return kernel + (f" (JAX {jax.__version__} deprecates Pallas's Triton backend; "
-                             "it still runs here)")
-    return kernel
+            return kernel + why + (f" (JAX {jax.__version__} deprecates Pallas's Triton "
+                                   "backend; it still runs here)")
+    return kernel + why
 
 
 def evaluate(trainer: Trainer, params, batches) -> dict:
@@ -126,7 +140,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     peak = peak_flops_total(override_tflops=t.peak_tflops)
     log.write(f"model: {param_count(m) / 1e6:.1f}M params, {flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
-              f"{config.attention.layout}, kernel {kernel_note(trainer, mesh)}; "
+              f"{config.attention.layout}, kernel {kernel_note(trainer, mesh, config)}; "
               f"{tokens_per_step} tokens/step"
               f"{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}; workdir {workdir}")
 

@@ -87,7 +87,11 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     if platform is None:
         import jax
         platform = jax.devices()[0].platform
-    kernel = kernels.resolve(a.kernel, platform)
+    dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    kernel = kernels.resolve(a.kernel, platform, dtype)
+    _need(kernel != "cudnn" or platform == "cpu" or dtype in ("bfloat16", "float16"),
+          f"attention.kernel=cudnn runs bf16 or fp16 activations, model.dtype={m.dtype} gives "
+          f"{dtype}; set model.dtype=bfloat16 or use attention.kernel=pallas_gpu")
     if a.impl in ("ulysses", "usp"):
         from parallel.strategies.usp import check_heads
         try:

@@ -7,6 +7,9 @@ predicate (``predicate.py``), folded into the fp32 accumulators of ``accumulator
 - ``xla``: ``xla.py`` (fori_loop over tiles, fp32 einsums); right on a CPU.
 - ``pallas_gpu``: fused Pallas kernels, Triton backend (``pallas_gpu.py``).
 - ``pallas_tpu``: fused Pallas kernels, Mosaic backend (``pallas_tpu.py``).
+- ``cudnn``: cuDNN's flash attention per round, each round's mask chosen at run time from its
+  positions; a round it cannot express runs ``pallas_gpu`` (``cudnn.py``). On a CPU a dense
+  stand-in runs behind the same contract (like interpret mode).
 - ``auto``: the fused kernel of the devices' platform, ``xla`` on a CPU.
 
 The interface a strategy calls (its chunk-pair loop, ``Rounds``), per kernel module
@@ -50,6 +53,7 @@ REGISTRY = {
     "xla": Kernel(platform=None, fused=False),
     "pallas_gpu": Kernel(platform="gpu", fused=True),
     "pallas_tpu": Kernel(platform="tpu", fused=True),
+    "cudnn": Kernel(platform="gpu", fused=False),
 }
 KERNELS = ("auto", *REGISTRY)
 NATIVE_PLATFORM = {name: k.platform for name, k in REGISTRY.items() if k.platform}
@@ -78,14 +82,36 @@ def platform_of(mesh) -> str:
     return first_device(mesh).platform
 
 
-def resolve(kernel: str, platform: str) -> str:
-    """The concrete kernel (``xla | pallas_gpu | pallas_tpu``) for a request on a platform."""
+def resolve(kernel: str, platform: str, dtype=None) -> str:
+    """The concrete kernel (a :data:`REGISTRY` name) for a request on a platform. ``auto`` on a
+    GPU with bf16/fp16 activations (``dtype``) picks ``cudnn`` where its one-time probe passes
+    (:func:`auto_reason` says why either way), else the platform's fused kernel."""
     if kernel == "auto":
+        if AUTO.get(platform) == "pallas_gpu" and _cudnn_fits(dtype) and _cudnn_probe()[0]:
+            return "cudnn"
         return AUTO.get(platform, "xla")
     if kernel not in REGISTRY:  # not KERNELS: it misses entries added later
         raise KernelError(f"unknown attention kernel {kernel!r}; "
                           f"valid: {', '.join(('auto', *REGISTRY))}")
     return kernel
+
+
+def _cudnn_fits(dtype) -> bool:
+    import numpy as np
+    return dtype is not None and np.dtype(dtype).name in ("bfloat16", "float16")
+
+
+def _cudnn_probe():
+    return module("cudnn").probe()
+
+
+def auto_reason(platform: str, dtype=None) -> str:
+    """Why ``auto`` resolved as it did on this platform (for the startup line)."""
+    if AUTO.get(platform) != "pallas_gpu":
+        return f"the {platform} default"
+    if not _cudnn_fits(dtype):
+        return f"cudnn needs bf16/fp16 activations, these are {dtype}"
+    return _cudnn_probe()[1]
 
 
 def tiles(kernel: str, attention) -> tuple[int | None, int | None]:

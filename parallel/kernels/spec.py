@@ -17,7 +17,7 @@ class Tile(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class RoundSpec:
-    kernel: str  # xla | pallas_gpu | pallas_tpu (a REGISTRY name)
+    kernel: str  # a REGISTRY name: xla | pallas_gpu | pallas_tpu | cudnn
     fwd: Tile  # the forward kernel's tiles
     dq: Tile  # the dQ kernel's
     dkv: Tile  # the dK/dV kernel's (the backward's two may differ from the forward's)

@@ -19,7 +19,7 @@ class Call:
     block_q: int
     block_kv: int
     scale: float
-    kernel: str = "xla"  # resolved: xla | pallas_gpu | pallas_tpu
+    kernel: str = "xla"  # resolved: xla | pallas_gpu | pallas_tpu | cudnn
     interpret: bool = False  # Pallas interpret mode
     impl: str = "ring"  # ring | allgather | ulysses | usp
     ulysses: int = 1  # devices per all-to-all group (neighbours on the axis); N for ulysses

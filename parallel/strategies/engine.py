@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallel import strategies
+from parallel import kernels, strategies
 from parallel.strategies.rounds import Rounds
 
 
@@ -76,13 +76,15 @@ def forward_local(call):
 
 def backward_local(call):
     strategy = strategies.get(call)
+    needs_out = getattr(kernels.rounds(call.kernel), "NEEDS_OUT", False)
 
     def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKSG, dout_BCHD):
         # Row sums of dout * out where the output lives: [B, C, Hq] moves instead of the output.
         delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
         q, pos, seg, kv = strategy.meet(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC)
+        out = strategy.to_heads(out_BCHD) if needs_out else None
         r = Rounds(call, q, pos, seg, kv.k.shape[1], q_BCHD.shape[1], lse_BKSG,
-                   strategy.to_heads(dout_BCHD), strategy.to_heads(delta))
+                   strategy.to_heads(dout_BCHD), strategy.to_heads(delta), out)
         dq, dk, dv = ring_backward(strategy, kv, r.zeros_dq(), r.grads)
         return (strategy.to_seq(r.finish_dq(dq)), strategy.home(dk, k_BCKD.dtype),
                 strategy.home(dv, v_BCKD.dtype))

@@ -47,12 +47,13 @@ class Rounds:
 
     Forward: :meth:`init`, :meth:`attend` per block, :meth:`finish`. Backward (given the
     forward's ``lse [B, K, S, G]``, the output cotangent ``dout [B, S, Hq, D]`` and the row sums
-    ``delta [B, S, Hq]`` of ``dout * out``): :meth:`zeros_dq`, :meth:`grads` per block,
+    ``delta [B, S, Hq]`` of ``dout * out``; the output ``out`` itself for a kernel whose
+    ``NEEDS_OUT``): :meth:`zeros_dq`, :meth:`grads` per block,
     :meth:`finish_dq`.
     """
 
     def __init__(self, call, q_BSHD, pos_BS, seg_BS, kv_heads, chunk, lse_BKSG=None,
-                 dout_BSHD=None, delta_BSH=None):
+                 dout_BSHD=None, delta_BSH=None, out_BSHD=None):
         self.chunk, self.hkv = chunk, kv_heads
         self.q, self.pos, self.seg = q_BSHD, pos_BS, seg_BS
         self.nq = _chunks(q_BSHD, chunk, 1)
@@ -61,6 +62,8 @@ class Rounds:
         self.rows = () if dout_BSHD is None else (  # [B, K, S, G(, D)]: sliced with the queries
             ac.to_q_major(dout_BSHD, kv_heads), lse_BKSG,
             ac.to_q_major(delta_BSH.astype(jnp.float32)[..., None], kv_heads)[..., 0])
+        if out_BSHD is not None:  # a kernel whose backward reads the global output (cudnn)
+            self.rows += (ac.to_q_major(out_BSHD, kv_heads),)
 
     def _query(self, i, whole, grad):
         c = self.q.shape[1] if whole else self.chunk
