@@ -41,7 +41,10 @@ def get_config() -> ml_collections.ConfigDict:
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))
     m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
     m.param_dtype = "float32"  # parameters and optimizer state stay in fp32
-    m.remat = "full"  # activation checkpointing per layer: none | attention | full | offload
+    # Activation checkpointing per layer: none | attention | full | offload | offload_input |
+    # auto (the least recompute whose compiled step fits the devices' memory, or
+    # train.memory_budget_gib: training/remat.py; the startup line says which and why)
+    m.remat = "full"
     # The MLP (per token) runs over chunks of this many tokens of each device's slice under
     # remat: its [tokens, ffn_dim] activations are a layer's largest at long context. 0 = whole.
     m.mlp_chunk = 0
@@ -142,6 +145,7 @@ def get_config() -> ml_collections.ConfigDict:
     # token-weighted mean over all of them. Must divide the rows per data x fsdp group.
     t.microbatches = 1
     t.peak_tflops = 0.0  # per-device peak for MFU; 0 looks the device up in a table
+    t.memory_budget_gib = 0.0  # per-device memory model.remat=auto fits into; 0: the device's own
     # A loss or gradient norm that is NaN/inf (read at log steps and before every save, so a
     # non-finite state is never saved): stop, naming the newest finite checkpoint, or rollback:
     # restore it, skip the batches up to the bad step and go on (training/divergence.py).

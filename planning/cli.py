@@ -42,8 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--hardware", required=True, choices=list(HARDWARE))
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list to project")
     p.add_argument("--remat", default=None,
-                   help="none | attention | full | offload, a comma list, or all (default: "
-                        "the config's model.remat)")
+                   help="none | attention | full | offload | offload_input, a comma list, all, "
+                        "or auto (all, and which one model.remat=auto picks on --hardware; "
+                        "default: the config's model.remat)")
     p.add_argument("--impls", default="ring,allgather,ulysses,usp",
                    help="context-parallel strategies to project beside each other (usp at every "
                         "Ulysses degree that divides the sequence axis and the heads); the "

@@ -18,10 +18,11 @@ class PlanError(ValueError):
 
 
 def resolve_remats(arg: str | None, config_remat: str) -> list[str]:
-    """``None``: the config's policy; ``all``: every policy; else a comma list."""
+    """``None``: the config's policy; ``all`` or ``auto`` (also the config's ``auto``): every
+    policy; else a comma list."""
     if not arg:
-        return [config_remat]
-    if arg == "all":
+        return list(REMATS) if config_remat == "auto" else [config_remat]
+    if arg in ("all", "auto"):
         return list(REMATS)
     names = [r.strip() for r in arg.split(",") if r.strip()]
     bad = [r for r in names if r not in REMATS]
@@ -63,6 +64,7 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         raise PlanError(f"unknown hardware {hardware!r}; choose one of {', '.join(hwlib.HARDWARE)}")
     hw = hwlib.HARDWARE[hardware]
     remats = resolve_remats(remat, config.model.remat)
+    auto = remat == "auto" or (not remat and config.model.remat == "auto")
     primary = config.model.remat if config.model.remat in remats else remats[0]
     layouts = list(layouts)
     num_devices = math.prod(mesh_sizes.values())
@@ -138,6 +140,9 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         for r in memory:
             memory[r]["fits"] = memory[r]["total"] <= usable
         plan["memory"] = {r: memory[r] for r in remats}
+        if auto:
+            primary, plan["remat_auto"] = _auto_pick(config, memory, usable, hw.name)
+            plan["remat"] = primary
         replicated = _state_replicated_over(mesh_sizes)
         if replicated:
             mem = memory[to_compile[0]]
@@ -174,6 +179,20 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         plan.update(strat)
     plan["_programs"] = programs  # not serialised: lets callers run what was compiled
     return plan
+
+
+def _auto_pick(config, memory: dict, usable: float, hw_name: str) -> tuple[str, str]:
+    """What ``model.remat=auto`` would pick on that hardware (training/remat.py's rule: the least
+    recompute that fits ``train.memory_budget_gib``, else the usable device memory)."""
+    from training.remat import GIB, ORDER
+    gib = float(config.train.get("memory_budget_gib", 0) or 0)
+    limit, source = (gib * GIB, f"train.memory_budget_gib={gib:g}") if gib > 0 else (
+        usable, f"{usable / GIB:.0f} GiB usable of the {hw_name}")
+    for r in ORDER:
+        if memory[r]["total"] <= limit:
+            return r, (f"remat auto picks {r}: the least recompute that fits {source} "
+                       f"({memory[r]['total'] / GIB:.2f} GiB per device)")
+    return "full", f"remat auto: no policy fits {source}; shown with full"
 
 
 def _state_axes() -> list[str]:

@@ -74,6 +74,8 @@ def markdown(plan: dict) -> str:
                 f"{_gib(mem['temporaries'])}{host} | {_gib(mem['outputs'] - mem['aliased'])} | "
                 f"{_gib(mem['total'])} | {mem['total'] / hw_mem:.0%} | "
                 f"{'yes' if mem['fits'] else 'NO'} |")
+        if plan.get("remat_auto"):
+            lines += ["", plan["remat_auto"] + " (* marks it)."]
         comp = plan.get("compile", {})
         if comp:
             lines += ["", "Compiled on simulated CPU devices: " + ", ".join(

@@ -387,3 +387,26 @@ def test_a_window_stops_the_planned_contiguous_ring():
     st = step_time.project_strategies(config, mesh, 1, HARDWARE["h100"], ["contiguous"], "full",
                                       impls=("ring",))["strategies"]
     assert st["ring contiguous"]["attention_s"] == pytest.approx(c["attention_s"])
+
+
+def test_remat_auto_in_the_plan_is_the_least_recompute_that_fits():
+    """``--remat auto`` (or a config's ``model.remat=auto``) plans every policy and marks the
+    one training/remat.py would pick: the first of its order that fits the budget, else the
+    usable memory of the hardware."""
+    from configs import tiny
+    from model.decoder import REMAT
+    from planning.plan import _auto_pick, resolve_remats
+    assert resolve_remats("auto", "full") == resolve_remats(None, "auto") == list(REMAT)
+    gib = 2 ** 30
+    memory = {"none": {"total": 9 * gib}, "attention": {"total": 6 * gib},
+              "offload": {"total": 5 * gib}, "full": {"total": 4 * gib},
+              "offload_input": {"total": 3 * gib}}
+    c = tiny.get_config()
+    assert _auto_pick(c, memory, 10 * gib, "h200")[0] == "none"
+    assert _auto_pick(c, memory, 5.5 * gib, "h200") == (
+        "offload", "remat auto picks offload: the least recompute that fits 6 GiB usable of the "
+                   "h200 (5.00 GiB per device)")
+    c.train.memory_budget_gib = 4.5
+    assert _auto_pick(c, memory, 100 * gib, "h200")[0] == "full"
+    c.train.memory_budget_gib = 1.0
+    assert _auto_pick(c, memory, 100 * gib, "h200")[1].startswith("remat auto: no policy fits")

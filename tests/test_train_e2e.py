@@ -27,10 +27,10 @@ def run_train(workdir, *overrides, devices=8):
 @functools.cache
 def two_step_run() -> tuple[pathlib.Path, subprocess.CompletedProcess]:
     """(workdir, process) of run_train's two steps with the defaults (kernel auto: xla on a
-    CPU), run once per session: this file checks what it writes, and test_kernels compares the
+    CPU; remat auto: none, the tiny config's own, on a CPU with no budget), run once per session: this file checks what it writes, and test_kernels compares the
     Pallas kernel's losses with its own."""
     workdir = SESSION / "run"
-    return workdir, run_train(workdir)
+    return workdir, run_train(workdir, "--config.model.remat=auto")
 
 
 def losses(workdir) -> list[float]:
@@ -41,6 +41,7 @@ def test_two_step_run_writes_metrics_config_and_checkpoint():
     workdir, proc = two_step_run()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kernel xla;" in proc.stdout + proc.stderr  # auto resolves to the XLA kernel on a CPU
+    assert "remat auto: none (no memory limit known" in proc.stdout
     records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:

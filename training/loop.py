@@ -107,9 +107,13 @@ def run(config, workdir: pathlib.Path) -> dict:
     mesh = make_mesh(config.mesh)
     pipe = make_pipeline(config, mesh)
     check_workdir(workdir, pipe.fingerprint)
-    trainer = Trainer(config, mesh)
+    from training import remat
+    trainer_config, remat_line = remat.resolve(config, mesh)  # the run's config keeps "auto"
+    trainer = Trainer(trainer_config, mesh)
     workdir.mkdir(parents=True, exist_ok=True)
     log = MetricsLogger(workdir, config, start_step=0)
+    if remat_line:
+        log.write(remat_line)
     ckpts = None
     try:
         ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint, log=log.write)

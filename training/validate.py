@@ -46,7 +46,10 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(isinstance(window, int) and window >= 0,
           f"model.sliding_window={window!r} must be an int >= 0 (0: full attention; W: a query "
           f"at position p sees keys p - W < k <= p)")
-    _need(m.remat in REMAT, f"model.remat={m.remat!r} is not one of {', '.join(REMAT)}")
+    _need(m.remat in (*REMAT, "auto"),
+          f"model.remat={m.remat!r} is not one of {', '.join((*REMAT, 'auto'))}")
+    budget = float(config.train.get("memory_budget_gib", 0) or 0)
+    _need(budget >= 0, f"train.memory_budget_gib={budget:g} must be >= 0 (0: the devices' own)")
     problem = rope.check(rope.from_config(m))
     _need(problem is None, f"model.{problem}")
 
