@@ -9,6 +9,8 @@ time.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -17,6 +19,18 @@ from model.chunks import cast_before_gather, map_chunks
 from model.layers import rms_norm
 
 
+def _scoped(name):
+    """Runs a function under a jax name scope: training/profile.py's rows read it."""
+    def wrap(f):
+        @functools.wraps(f)
+        def scoped(*args, **kw):
+            with jax.named_scope(name):
+                return f(*args, **kw)
+        return scoped
+    return wrap
+
+
+@_scoped("loss")
 def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, eps: float,
                          chunk: int, mesh=None, compute_dtype=jnp.float32, greedy_vocab=None):
     """Per-token masked cross-entropy ``[B, L]`` (fp32, 0 where masked) of hidden states

@@ -139,15 +139,17 @@ def _forward(q, k, v, positions, segment_ids, call: Call):
     q, k, v, positions, segment_ids = lax.optimization_barrier((q, k, v, positions, segment_ids))
     has_seg = segment_ids is not None
     args = (q, k, v, positions, segment_ids)
-    return engine.forward_program(call, has_seg)(
-        *(_reshard(x, s, call) for x, s in zip(args, call.fwd_specs(has_seg))))
+    with jax.named_scope("attention_fwd"):  # training/profile.py's row
+        return engine.forward_program(call, has_seg)(
+            *(_reshard(x, s, call) for x, s in zip(args, call.fwd_specs(has_seg))))
 
 
 def _backward(q, k, v, positions, segment_ids, out, lse, dout, call: Call):
     has_seg = segment_ids is not None
     args = (q, k, v, positions, segment_ids, out, lse, dout)
-    return engine.backward_program(call, has_seg)(
-        *(_reshard(x, s, call) for x, s in zip(args, call.bwd_specs(has_seg))))
+    with jax.named_scope("attention_bwd"):
+        return engine.backward_program(call, has_seg)(
+            *(_reshard(x, s, call) for x, s in zip(args, call.bwd_specs(has_seg))))
 
 
 def _cp_fwd_rule(q, k, v, positions, segment_ids, call):

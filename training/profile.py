@@ -1,0 +1,184 @@
+"""Where a train step's time goes: a ``jax.profiler`` trace of a few steps, read back
+(``jax.profiler.ProfileData``) and cut into rows (scripts/profile_step.py prints them).
+
+Every XLA op the trace shows running on the first device is put in one row, by the op's own
+HLO (the compiled step's text) and the name scopes the code sets (``attention_fwd``,
+``attention_bwd``, ``rms_norm``, ``loss``, ``optimizer``):
+
+    attention forward / backward   ops under those scopes (the ring's kernels and its transfers)
+    matmuls                        dot / convolution, GEMM custom calls, fusions around a dot
+    norms                          ops under ``rms_norm`` (and their gradients)
+    loss                           the output head's chunked cross-entropy
+    optimizer                      the AdamW update and the gradient norm
+    collectives                    all-reduce / all-gather / reduce-scatter / permute / all-to-all
+    elementwise and other          everything else (RoPE, SwiGLU's gates, casts, copies)
+    host gaps                      time in the step with no op running on the device
+
+Each traced step is the span of its ``StepTraceAnnotation``; ops that overlap (a CPU runs a
+device's thunks on several threads) share their common time equally, so the rows add up to the
+step exactly and the step to the wall clock the script measures around it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+ROWS = ("attention forward", "attention backward", "matmuls", "norms", "loss", "optimizer",
+        "collectives", "elementwise and other", "host gaps")
+SCOPES = (("attention_bwd", "attention backward"), ("attention_fwd", "attention forward"),
+          ("optimizer", "optimizer"), ("loss", "loss"), ("rms_norm", "norms"))
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+               "collective-broadcast", "send", "recv")
+CONTAINERS = ("while", "conditional", "call")  # their bodies' ops are traced on their own
+STEP_EVENT = "profile_step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    opcode: str
+    op_name: str  # the jax name stack (metadata op_name)
+    target: str  # a custom call's target
+    calls: tuple[str, ...]  # called computations
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^=]*?\s([\w\-]+)\(")
+
+
+def parse_hlo(text: str) -> tuple[dict[str, Op], dict[str, str]]:
+    """(instruction name -> Op, computation name -> its text) of a compiled module's text."""
+    ops, comps, current, body = {}, {}, None, []
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current, body = head.group(1), []
+            continue
+        if line.startswith("}"):
+            if current:
+                comps[current] = "\n".join(body)
+            current = None
+            continue
+        body.append(line)
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name = re.search(r'op_name="([^"]*)"', line)
+        target = re.search(r'custom_call_target="([^"]*)"', line)
+        calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+        ops[m.group(1)] = Op(m.group(2), name.group(1) if name else "",
+                             target.group(1) if target else "", tuple(calls))
+    return ops, comps
+
+
+def _has_dot(op: Op, comps: dict) -> bool:
+    return any(re.search(r"\s(dot|convolution)\(", comps.get(c, "")) for c in op.calls)
+
+
+def row_of(op: Op | None, comps: dict) -> str:
+    if op is None:
+        return "elementwise and other"
+    base = op.opcode.removesuffix("-start").removesuffix("-done")
+    if base in COLLECTIVES:
+        return "collectives"
+    for scope, row in SCOPES:
+        if scope in op.op_name:
+            return row
+    if (op.opcode in ("dot", "convolution") or "gemm" in op.target.lower()
+            or "cublas" in op.target.lower() or (op.opcode == "fusion" and _has_dot(op, comps))):
+        return "matmuls"
+    return "elementwise and other"
+
+
+@dataclasses.dataclass
+class Interval:
+    start: int
+    end: int
+    row: str
+
+
+def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interval]:
+    """The leaf XLA ops of ``device`` in the trace: a GPU's ``/device:GPU:N`` plane, or on a
+    CPU the thunks whose ``device_ordinal`` is ``device``."""
+    out = []
+    for plane in profile.planes:
+        gpu = re.search(r"/device:GPU:(\d+)", plane.name)
+        if gpu and int(gpu.group(1)) != device:
+            continue
+        for line in plane.lines:
+            if gpu and line.name not in ("XLA Ops", "Ops"):
+                continue
+            for e in line.events:
+                stats = dict(e.stats)
+                name = stats.get("hlo_op") or (e.name if gpu else None)
+                if not name or (not gpu and stats.get("device_ordinal") != device):
+                    continue
+                op = ops.get(name)
+                if op is not None and op.opcode in CONTAINERS:
+                    continue
+                out.append(Interval(int(e.start_ns), int(e.end_ns), row_of(op, comps)))
+    return out
+
+
+def step_windows(profile) -> list[tuple[int, int]]:
+    """The spans of the traced steps (the ``StepTraceAnnotation`` events named STEP_EVENT)."""
+    spans = [(int(e.start_ns), int(e.end_ns)) for plane in profile.planes
+             for line in plane.lines for e in line.events if e.name == STEP_EVENT]
+    return sorted(spans)
+
+
+def attribute(intervals: list[Interval], window: tuple[int, int]) -> dict[str, float]:
+    """Seconds per row inside ``window``: overlapping ops share their common time equally; time
+    with no op is ``host gaps``. The rows sum to the window's length."""
+    lo, hi = window
+    edges = []
+    for iv in intervals:
+        s, e = max(iv.start, lo), min(iv.end, hi)
+        if e > s:
+            edges += [(s, 1, iv.row), (e, -1, iv.row)]
+    edges.sort(key=lambda x: (x[0], x[1]))
+    rows = collections.Counter()
+    active = collections.Counter()
+    t = lo
+    for when, delta, row in edges:
+        n = sum(active.values())
+        span = (when - t) / 1e9
+        if n:
+            for r, k in active.items():
+                rows[r] += span * k / n
+        else:
+            rows["host gaps"] += span
+        t = when
+        active[row] += delta
+        if not active[row]:
+            del active[row]
+    rows["host gaps"] += (hi - t) / 1e9
+    return {r: rows.get(r, 0.0) for r in ROWS}
+
+
+def row_flops(config, devices: int) -> dict[str, float]:
+    """Model FLOPs of one step per device for the rows that have a count (the causal half;
+    recompute not counted, as MFU): attention forward 1/3 and backward 2/3 of
+    ``attention_flops_per_token``; the loss its output head, 6 x vocab x d_model; matmuls
+    the other matmul parameters, 6 x each, per token."""
+    from model.flops import attention_flops_per_token, matmul_params
+    m = config.model
+    tokens = config.data.batch_size * config.data.seq_len / devices
+    attn = attention_flops_per_token(m, config.data.seq_len) * tokens
+    head = 6 * m.vocab_size * m.d_model * tokens
+    return {"attention forward": attn / 3, "attention backward": 2 * attn / 3, "loss": head,
+            "matmuls": 6 * matmul_params(m) * tokens - head}
+
+
+def table(per_step: dict[str, float], wall_s: float, flops: dict[str, float]) -> str:
+    """The markdown table: per row its time per step, share of the step and TFLOP/s."""
+    total = sum(per_step.values())
+    lines = ["| part of the step | ms per step | share | TFLOP/s per device |",
+             "|---|---:|---:|---:|"]
+    for row in ROWS:
+        s = per_step[row]
+        rate = f"{flops[row] / s / 1e12:.3g}" if row in flops and s > 0 else ""
+        lines.append(f"| {row} | {s * 1e3:.2f} | {s / total:.1%} | {rate} |")
+    lines.append(f"| **rows summed** | **{total * 1e3:.2f}** | | |")
+    lines.append(f"| measured step (wall clock, median) | {wall_s * 1e3:.2f} | "
+                 f"{total / wall_s:.0%} of it | |")
+    return "\n".join(lines)
