@@ -49,6 +49,13 @@ def parse_args(argv=None):
                    help="context-parallel strategies to project beside each other (usp at every "
                         "Ulysses degree that divides the sequence axis and the heads); the "
                         "compiled program is the config's attention.impl")
+    p.add_argument("--kernel-rates", default="",
+                   help="predict instead of bound: time attention at the config kernel's measured "
+                        "TFLOP/s per round type (h200, or a scripts/bench_kernels.py --json file) "
+                        "and matmuls at --matmul-efficiency of the peak")
+    p.add_argument("--matmul-efficiency", type=float, default=0.0,
+                   help="with --kernel-rates: matmul FLOP/s as a fraction of the peak "
+                        "(0: planning/kernel_rates.py's MATMUL_EFFICIENCY)")
     p.add_argument("--json", default="", help="also write the plan here as JSON")
     p.add_argument("--no-compile", action="store_true",
                    help="skip compiling: sizes, FLOPs and step time only (no memory)")
@@ -132,7 +139,9 @@ def run(argv=None) -> tuple[int, dict | None]:
     from training.entry import user_errors
     try:
         plan = make_plan(config, mesh, args.seq_len, args.batch, args.hardware, layouts,
-                         args.remat, compile_program=not args.no_compile, impls=impls)
+                         args.remat, compile_program=not args.no_compile, impls=impls,
+                         kernel_rates=args.kernel_rates or None,
+                         matmul_efficiency=args.matmul_efficiency or None)
     except (PlanError, *user_errors()) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2, None

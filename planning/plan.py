@@ -48,13 +48,17 @@ def validate(config, mesh_sizes: dict, layouts) -> None:
 
 def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, hardware: str,
               layouts=("contiguous", "striped", "zigzag"), remat: str | None = None,
-              compile_program: bool = True, devices=None, impls=None) -> dict:
+              compile_program: bool = True, devices=None, impls=None,
+              kernel_rates: str | None = None, matmul_efficiency: float | None = None) -> dict:
     """The plan of ``config`` at ``seq_len`` with ``rows_per_replica`` sequences per
     data x fsdp group on ``mesh_sizes``, projected onto ``hardware``.
 
     Compiles one program per remat policy asked for (offload is estimated from the attention
     and full programs: XLA CPU has no host-offload passes). ``impls``: context-parallel
-    strategies to project side by side (``plan["strategies"]``, ``plan["fastest"]``)."""
+    strategies to project side by side (``plan["strategies"]``, ``plan["fastest"]``).
+    ``kernel_rates`` (``planning/kernel_rates.py``: ``h200`` or a bench_kernels.py JSON): time
+    the layouts' attention at the config's kernel's measured speed and the matmuls at
+    ``matmul_efficiency`` of the peak: a prediction instead of a bound."""
     import jax
 
     from model.flops import attention_flops_per_token, flops_per_token, matmul_params, param_count
@@ -156,10 +160,20 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         plan["compile"] = compile_times
 
         plan["collectives"] = coll.summarize(colls_by_remat[primary])
+    rates = None
+    if kernel_rates:
+        from planning import kernel_rates as kr
+        kernel = planned_kernel(base.attention.kernel, hw.name)
+        try:
+            rates = kr.load(kernel_rates, kernel, matmul_efficiency or kr.MATMUL_EFFICIENCY)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        plan["kernel_rates"] = {"kernel": kernel, "source": rates.source,
+                                "matmul_efficiency": rates.matmul_efficiency}
     step_by_remat = {}
     for r in remats:  # the projection reads remat from its argument, not from the config
         proj = step_time.project(base, mesh_sizes, global_rows, hw, layouts, r,
-                                 colls_by_remat.get(r), dtype_bytes)
+                                 colls_by_remat.get(r), dtype_bytes, rates)
         step_by_remat[r] = {k: v["projected_step_s"] for k, v in proj["layouts"].items()}
         if r == primary:
             plan["layouts"] = proj["layouts"]
@@ -169,7 +183,7 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
     plan["step_time_by_remat"] = step_by_remat
     if impls:
         strat = step_time.project_strategies(base, mesh_sizes, global_rows, hw, layouts, primary, impls,
-                                             colls_by_remat.get(primary), dtype_bytes)
+                                             colls_by_remat.get(primary), dtype_bytes, rates)
         if "memory" in plan:  # the compiled program is the config's impl: swap its buffers
             s = step_time.shape_of(base, mesh_sizes, global_rows, dtype_bytes)
             own = step_time.attention_buffers(base.attention.impl, s, base.attention.ulysses)
@@ -179,6 +193,16 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         plan.update(strat)
     plan["_programs"] = programs  # not serialised: lets callers run what was compiled
     return plan
+
+
+def planned_kernel(kernel: str, hw_name: str) -> str:
+    """The per-round kernel a run on that hardware uses: ``auto`` is the platform's fused kernel
+    (cudnn needs its probe on the real GPU); ``cudnn`` is timed at bare cuDNN's rates where the
+    table has no ring-API row."""
+    tpu = hw_name.startswith(("tpu", "v5", "v6"))
+    if kernel == "auto":
+        return "pallas_tpu" if tpu else "pallas_gpu"
+    return kernel
 
 
 def _auto_pick(config, memory: dict, usable: float, hw_name: str) -> tuple[str, str]:

@@ -90,10 +90,13 @@ def markdown(plan: dict) -> str:
             c = plan["collectives"][k]
             lines.append(f"| {k} | {c['instructions']} | {c['count']:,} | {_bytes(c['bytes'])} | "
                          f"{_bytes(c['cpu_bytes'])} |")
-    lines += ["", f"### Projected step (lower bound: peak FLOP/s and link bandwidth; remat "
-                  f"{plan['remat']})", "",
+    kr = plan.get("kernel_rates")
+    how = (f"predicted: {kr['kernel']} at its measured TFLOP/s per round type ({kr['source']}), "
+           f"matmuls at {kr['matmul_efficiency']:.0%} of peak" if kr else
+           "lower bound: peak FLOP/s")
+    lines += ["", f"### Projected step ({how}, link bandwidth; remat {plan['remat']})", "",
               "| layout | critical path (tiles) | balance | attention | rest of step | step time "
-              "| tokens/s | MFU bound |",
+              f"| tokens/s | {'MFU' if kr else 'MFU bound'} |",
               "|---|---|---|---|---|---|---|---|"]
     for layout, p in plan["layouts"].items():
         lines.append(f"| {layout} | {p['critical_path_tiles']:,} | {p['balance']:.2f} | "

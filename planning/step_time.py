@@ -73,9 +73,25 @@ def shape_of(config, mesh_sizes: dict, global_rows: int, dtype_bytes: int = 2) -
                  dtype_bytes=dtype_bytes)
 
 
-def ring_layer_time(tiles: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, remat: str) -> dict:
-    """Seconds of one layer's ring attention (forward, recomputed forward, backward)."""
-    return _rounds_time(tiles.max(axis=1).astype(float), s, hw, ring_bw, remat)
+def ring_layer_time(tiles: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, remat: str,
+                    rates=None, layout: str = "striped") -> dict:
+    """Seconds of one layer's ring attention (forward, recomputed forward, backward); at the
+    kernel's measured ``rates`` (``planning/kernel_rates.py``) per round type, else the peak."""
+    return _rounds_time(tiles.max(axis=1).astype(float), s, hw, ring_bw, remat, rates=rates,
+                        layout=layout)
+
+
+def round_case(layout: str, r: int) -> str:
+    """The bench's round type of ring round ``r``: the own block, then striped's strictly lower
+    rounds or another layout's earlier blocks (zigzag's halves are counted as full)."""
+    return "diagonal" if r == 0 else ("striped" if layout == "striped" else "full")
+
+
+def _flops_s(rates, hw: Hardware, rounds: int, chunk: int, layout: str, backward: bool):
+    if rates is None:
+        return np.full(rounds, hw.peak_flops)
+    rate = rates.backward_flops_s if backward else rates.forward_flops_s
+    return np.array([rate(round_case(layout, r), chunk) for r in range(rounds)])
 
 
 def _kv_bytes(s: Shape, u: int = 1) -> tuple[float, float]:
@@ -88,18 +104,19 @@ def _kv_bytes(s: Shape, u: int = 1) -> tuple[float, float]:
 
 
 def _rounds_time(busiest: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, remat: str,
-                 u: int = 1) -> dict:
+                 u: int = 1, rates=None, layout: str = "striped") -> dict:
     """Ring rounds with the busiest device's tiles ``busiest [rounds]`` (whole-head tile pairs)."""
     pair = s.block_q * s.block_kv * s.head_dim * s.q_heads * s.rows
     kv, dkv = _kv_bytes(s, u)
     last = np.arange(len(busiest)) == len(busiest) - 1
     send_fwd = np.where(last, 0.0, kv) / ring_bw  # the last round sends nothing
-    fwd_compute = busiest * FWD_PAIR_FLOPS * pair / hw.peak_flops
+    n = len(busiest)
+    fwd_compute = busiest * FWD_PAIR_FLOPS * pair / _flops_s(rates, hw, n, s.chunk, layout, False)
     fwd = np.maximum(fwd_compute, send_fwd).sum()
     # Backward round r: K/V prefetch for the next round and last round's dK/dV move on; the
     # final hop brings each block's dK/dV home after the last round.
     send_bwd = (np.where(last, 0.0, kv) + np.where(np.arange(len(busiest)) == 0, 0.0, dkv)) / ring_bw
-    bwd_compute = busiest * BWD_PAIR_FLOPS * pair / hw.peak_flops
+    bwd_compute = busiest * BWD_PAIR_FLOPS * pair / _flops_s(rates, hw, n, s.chunk, layout, True)
     bwd = np.maximum(bwd_compute, send_bwd).sum() + (dkv / ring_bw if len(busiest) > 1 else 0.0)
     passes = 2 if remat in RECOMPUTES_ATTENTION else 1
     return {"forward_s": float(fwd), "backward_s": float(bwd), "forward_passes": passes,
@@ -131,7 +148,8 @@ def _a2a_bytes(s: Shape, u: int) -> tuple[float, float]:
 
 
 def strategy_layer_time(impl: str, tiles: np.ndarray, s: Shape, hw: Hardware, remat: str,
-                        mesh_sizes: dict, ulysses: int = 1, rounds_run: int = 0) -> dict:
+                        mesh_sizes: dict, ulysses: int = 1, rounds_run: int = 0, rates=None,
+                        layout: str = "striped") -> dict:
     """Seconds of one layer's attention with ``impl`` (ring | allgather | ulysses | usp),
     from the ring's ``tiles [rounds, devices]``. Adds the collective time and the links used.
     ``rounds_run``: the ring rounds (usp: across the groups) that run, when a sliding window
@@ -148,13 +166,16 @@ def strategy_layer_time(impl: str, tiles: np.ndarray, s: Shape, hw: Hardware, re
         kv, dkv = _kv_bytes(s)
         fwd_comm = (n - 1) * kv / seq_bw
         bwd_comm = (n - 1) * (kv + dkv) / seq_bw
-        fwd = busiest.sum() * FWD_PAIR_FLOPS * pair / hw.peak_flops + fwd_comm
-        bwd = busiest.sum() * BWD_PAIR_FLOPS * pair / hw.peak_flops + bwd_comm
+        k = len(busiest)  # every chunk pair at its round type's rate
+        fwd = (busiest * FWD_PAIR_FLOPS * pair / _flops_s(rates, hw, k, s.chunk, layout, False)
+               ).sum() + fwd_comm
+        bwd = (busiest * BWD_PAIR_FLOPS * pair / _flops_s(rates, hw, k, s.chunk, layout, True)
+               ).sum() + bwd_comm
         return {"forward_s": float(fwd), "backward_s": float(bwd), "forward_passes": passes,
                 "total_s": float(passes * fwd + bwd), "collective_s": float(passes * fwd_comm + bwd_comm),
                 "links": "sequence axis, " + _link_name(seq_bw, hw), "crosses_nodes": seq_bw != hw.link_bytes_s}
     if impl == "ring":
-        rounds = _rounds_time(busiest, s, hw, seq_bw, remat)
+        rounds = _rounds_time(busiest, s, hw, seq_bw, remat, rates=rates, layout=layout)
         return {**rounds, "collective_s": rounds["exposed_send_s"], "links": "ring " + _link_name(seq_bw, hw),
                 "crosses_nodes": seq_bw != hw.link_bytes_s}
     a2a_cross = groups_cross_nodes(mesh_sizes, "sequence", u, hw)
@@ -163,7 +184,7 @@ def strategy_layer_time(impl: str, tiles: np.ndarray, s: Shape, hw: Hardware, re
     a2a_f, a2a_b = f_bytes / a2a_bw, b_bytes / a2a_bw
     ring_cross = n // u > 1 and axis_crosses_nodes(mesh_sizes, "sequence", hw)
     ring_bw = link_bandwidth(hw, ring_cross)
-    rounds = _rounds_time(busiest, s, hw, ring_bw, remat, u)
+    rounds = _rounds_time(busiest, s, hw, ring_bw, remat, u, rates=rates, layout=layout)
     fwd, bwd = rounds["forward_s"] + a2a_f, rounds["backward_s"] + a2a_b
     links = f"all-to-all {_link_name(a2a_bw, hw)}"
     if n // u > 1:
@@ -212,12 +233,14 @@ def valid_ulysses(config, mesh_sizes: dict) -> list[int]:
 
 
 def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: str,
-               colls: list | None, mesh_sizes: dict) -> dict:
-    """Seconds of everything but attention: matmuls vs the non-ring collectives."""
+               colls: list | None, mesh_sizes: dict, rates=None) -> dict:
+    """Seconds of everything but attention: matmuls (at the peak, or at ``rates``'s matmul
+    efficiency of it) vs the non-ring collectives."""
     m = config.model
     tokens = global_rows * config.data.seq_len
     per_token = 6 * matmul_params(m) + 2 * recomputed_matmul_params(config, remat)
-    compute = per_token * tokens / num_devices / hw.peak_flops
+    efficiency = rates.matmul_efficiency if rates is not None else 1.0
+    compute = per_token * tokens / num_devices / (hw.peak_flops * efficiency)
     comm, source = 0.0, "compiled HLO"
     if colls is not None:
         for c in colls:
@@ -252,14 +275,15 @@ def axis_crosses_nodes(mesh_sizes: dict, axis: str, hw: Hardware) -> bool:
 
 
 def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, remat: str,
-            colls: list | None = None, dtype_bytes: int = 2) -> dict:
-    """Per layout: projected step seconds, tokens/s and MFU bound, with the parts."""
+            colls: list | None = None, dtype_bytes: int = 2, rates=None) -> dict:
+    """Per layout: projected step seconds, tokens/s and MFU bound, with the parts; with the
+    kernel's measured ``rates`` a prediction rather than a bound."""
     m = config.model
     num_devices = int(np.prod([mesh_sizes[a] for a in ("data", "fsdp", "sequence", "tensor")]))
     s = shape_of(config, mesh_sizes, global_rows, dtype_bytes)
     crosses = axis_crosses_nodes(mesh_sizes, "sequence", hw)
     ring_bw = link_bandwidth(hw, crosses)
-    dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes)
+    dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes, rates)
     tokens = global_rows * config.data.seq_len
     model_flops = flops_per_token(m, config.data.seq_len) * tokens
     window = int(m.get("sliding_window", 0))
@@ -269,7 +293,7 @@ def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, r
         w = work(layout, config.data.seq_len, s.ring, s.block_q, stripe, block_kv=s.block_kv,
                  window=window)
         tiles = w.tiles[:w.hops]  # a window stops the contiguous ring after the rounds it reaches
-        ring = ring_layer_time(tiles, s, hw, ring_bw, remat)
+        ring = ring_layer_time(tiles, s, hw, ring_bw, remat, rates, layout)
         step = m.num_layers * ring["total_s"] + dense["total_s"]
         out[layout] = {
             "projected_step_s": step,
@@ -288,14 +312,14 @@ def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, r
 
 def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, remat: str,
                        impls=IMPLS, colls: list | None = None,
-                       dtype_bytes: int = 2) -> dict:
+                       dtype_bytes: int = 2, rates=None) -> dict:
     """Per (strategy, layout): projected step, MFU bound, attention and collective seconds,
     links and attention buffers; usp at every valid Ulysses degree 1 < U < N. ``fastest``
     names the best. Strategies whose heads do not split are listed under ``invalid``."""
     m = config.model
     num_devices = int(np.prod([mesh_sizes[a] for a in ("data", "fsdp", "sequence", "tensor")]))
     s = shape_of(config, mesh_sizes, global_rows, dtype_bytes)
-    dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes)
+    dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes, rates)
     tokens = global_rows * config.data.seq_len
     model_flops = flops_per_token(m, config.data.seq_len) * tokens
     window = int(m.get("sliding_window", 0))
@@ -319,7 +343,7 @@ def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware,
         for impl, u in candidates:
             name = f"usp(U={u})" if impl == "usp" else impl
             run = reach(window, layout, u * s.chunk, s.ring // u)
-            t = strategy_layer_time(impl, tiles, s, hw, remat, mesh_sizes, u, run)
+            t = strategy_layer_time(impl, tiles, s, hw, remat, mesh_sizes, u, run, rates, layout)
             step = m.num_layers * t["total_s"] + dense["total_s"]
             out[f"{name} {layout}"] = {
                 "impl": impl, "ulysses": u, "layout": layout, "projected_step_s": step,

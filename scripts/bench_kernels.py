@@ -5,14 +5,18 @@ For each chunk length (the tokens one device holds), bf16, causal, one device:
 - ``diagonal``: a device's own block (round 0 of any layout: causal within the chunk);
 - ``striped``: a later round of the striped layout whose keys all sit after the queries they
   pair with (ring of 8, device 3 holding device 5's block): a strictly lower triangle, no
-  diagonal, the round most of a striped ring's time goes to.
+  diagonal, the round most of a striped ring's time goes to;
+- ``full``: a contiguous ring's earlier block: every key visible (``--cases`` adds it).
 
 Forward and forward+backward (the ring's own round functions: accumulate, finalize, then the
 dQ and dK/dV of the round) are timed as medians of ``--repeats`` after warm-up, compile
 excluded. TFLOP/s count only the visible (causal) pairs: 4·B·Hq·D per visible pair forward,
-2.5x that backward. ``cudnn`` is ``jax.nn.dot_product_attention(implementation="cudnn")`` on the
-diagonal case, the fused reference (GPU only). Every kernel's output is checked against
-``xla``'s (``max err``).
+2.5x that backward. ``cudnn`` is the ``attention.kernel=cudnn`` round (``parallel/kernels/
+cudnn.py``: the case from the positions, cuDNN's call, the LSE merge; its dense stand-in on a
+CPU); ``cudnn_bare`` is ``jax.nn.dot_product_attention(implementation="cudnn")`` on the same
+visible pairs (causal, unmasked, or causal on ``q[1:]`` / ``k[:-1]``), the reference the ring
+API's overhead is measured against (GPU only). Every kernel's output is checked against the
+first kernel's (``max err``).
 
     python scripts/bench_kernels.py --chunks 4096,8192,16384,32768 --heads 16 --json out.json
 
@@ -41,10 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=0, help="0: same as --heads (MHA)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--kernels", default="xla,pallas,cudnn",
+    p.add_argument("--kernels", default="xla,pallas,cudnn,cudnn_bare",
                    help="xla, pallas (the platform's: pallas_gpu on a GPU, pallas_tpu on a TPU, "
-                        "pallas_gpu interpreted on a CPU), cudnn (GPU only)")
-    p.add_argument("--cases", default="diagonal,striped")
+                        "pallas_gpu interpreted on a CPU), cudnn (the ring's round; a dense "
+                        "stand-in on a CPU), cudnn_bare (jax.nn's cuDNN call; GPU only)")
+    p.add_argument("--cases", default="diagonal,striped", help="diagonal, striped, full")
     p.add_argument("--block", type=int, default=0, help="Pallas tile (positions); 0: the kernel's default")
     p.add_argument("--xla-block", type=int, default=512, help="xla kernel tile")
     p.add_argument("--repeats", type=int, default=5)
@@ -57,6 +62,8 @@ def positions(case, chunk):
     import numpy as np
     if case == "diagonal":
         return np.arange(chunk), np.arange(chunk)
+    if case == "full":  # a contiguous ring: the block of the device before
+        return chunk + np.arange(chunk), np.arange(chunk)
     n, d, src = 8, 3, 5  # striped ring of 8: device 3 holds 3, 11, ...; block of device 5
     return d + n * np.arange(chunk), src + n * np.arange(chunk)
 
@@ -77,13 +84,44 @@ def build(kernel, args, chunk, case, platform):
     k_pos = jnp.broadcast_to(jnp.asarray(kp, jnp.int32), (args.batch, chunk))
     scale = 1.0 / math.sqrt(d)
 
-    if kernel == "cudnn":
-        def fwd(q, k, v, do):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if kernel == "cudnn_bare":
+        lower = case == "striped"  # causal on q[1:] against k[:-1]: row 0 sees nothing
+
+        def attend(q, k, v):
+            if lower:
+                q, k, v = q[:, 1:], k[:, :-1], v[:, :-1]
+            return jax.nn.dot_product_attention(q, k, v, is_causal=case != "full",
+                                                implementation="cudnn")
+
+        def fwd(q, k, v, do):  # row 0 of the strictly lower round sees nothing: 0
+            out = attend(q, k, v)
+            return jnp.pad(out, ((0, 0), (1, 0), (0, 0), (0, 0))) if lower else out
 
         def fwd_bwd(q, k, v, do):
-            out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, None), q, k, v)
-            return vjp(do)
+            out, vjp = jax.vjp(attend, q, k, v)
+            return vjp(do[:, 1:] if lower else do)
+    elif kernel == "cudnn":
+        from parallel.kernels import cudnn
+        spec = RoundSpec("cudnn", *tiling.plan(
+            "cudnn", args.block, args.block, group=hq // hkv, head_dim=d, dtype=args.dtype,
+            chunk=chunk, seq_len=chunk, shards=1, interpret=kernels.interpret("cudnn", platform)),
+            hq // hkv, hkv, d, scale, True, False, kernels.interpret("cudnn", platform))
+
+        def forward(q, k, v):
+            query = cudnn.queries(spec, q, q_pos, None)
+            kv = ac.KV(ac.to_kv_major(k), ac.to_kv_major(v), k_pos, None)
+            acc0 = ac.init_acc(ac.to_q_major(q, hkv).astype(jnp.float32))
+            return kv, ac.finalize(cudnn.attend(spec, query, kv, acc0))
+
+        def fwd(q, k, v, do):
+            return ac.from_q_major(forward(q, k, v)[1][0]).astype(q.dtype)
+
+        def fwd_bwd(q, k, v, do):
+            kv, (out, lse) = forward(q, k, v)
+            do_q = ac.to_q_major(do, hkv)
+            delta = jnp.sum(do_q.astype(jnp.float32) * out, -1)
+            gq = cudnn.grad_queries(spec, q, q_pos, None, do_q, lse, delta, out.astype(q.dtype))
+            return cudnn.attend_grads(spec, gq, kv, jnp.zeros(out.shape, jnp.float32))
     elif kernel == "xla":
         blk = min(args.xla_block, chunk)
 
@@ -154,8 +192,8 @@ def run(args, save=lambda rows, failures: None):
     pallas = kernels.AUTO.get(platform, "pallas_gpu")
     names = []
     for name in args.kernels.split(","):
-        if name == "cudnn" and platform != "gpu":
-            print(f"skipping cudnn: no GPU (platform {platform})")
+        if name == "cudnn_bare" and platform != "gpu":
+            print(f"skipping cudnn_bare: no GPU (platform {platform})")
             continue
         names.append(pallas if name == "pallas" else name)
     hq, hkv, d = args.heads, args.kv_heads or args.heads, args.head_dim
@@ -168,7 +206,7 @@ def run(args, save=lambda rows, failures: None):
         for case in args.cases.split(","):
             ref = None
             for name in names:
-                if name == "cudnn" and (case != "diagonal" or hq != hkv):
+                if name == "cudnn_bare" and hq != hkv:
                     continue
                 try:
                     fwd, fwd_bwd, flops, frac = build(name, args, chunk, case, platform)

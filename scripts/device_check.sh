@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Checks and times the GPU path on one GPU host, in under 8 minutes; installs nothing from the
-# network. From the repository root on the GPU host:
+# Checks and times the GPU path on one GPU host, in under 8 minutes (the stages' time limits
+# add up to 7 min 40 s); installs nothing from the network. From the repository root on the GPU host:
 #
 #     bash scripts/device_check.sh [OUT_DIR]
 #
-# 1. the fused-kernel tests with the real Pallas GPU (Triton) kernels, ring of one (one GPU),
-#    causal and not;
-# 2. scripts/bench_kernels.py: xla vs pallas_gpu vs cuDNN, bf16, head_dim 128, 4k-32k chunks;
-# 3. train.py, configs/llama_1b.py at 32k tokens on one GPU, kernel xla then pallas_gpu:
-#    tokens/s and MFU per logged step.
+# 1. the kernel tests with the real kernels, ring of one (one GPU): Pallas GPU (Triton), causal
+#    and not, and cudnn (bf16, with a window);
+# 2. scripts/bench_kernels.py through the ring API, per round type (diagonal, strictly lower,
+#    full): pallas_gpu vs the cudnn round vs bare cuDNN, bf16, head_dim 128, 8k and 32k chunks;
+# 3. train.py, configs/llama_1b.py at 32k tokens on one GPU, kernel cudnn then pallas_gpu,
+#    model.remat=auto: tokens/s and MFU per logged step (xla's numbers are known: not rerun);
+# 4. scripts/profile_step.py on that llama_1b step (kernel auto): where its time goes.
 # Every stage has its own time limit and writes its log (and JSON) to OUT_DIR as it goes, so a
 # stage that fails or runs out of time costs only itself.
 #
@@ -30,14 +32,14 @@ export PYTHONUNBUFFERED=1
 unset XLA_FLAGS
 if [ "$REHEARSE" = 1 ]; then
   export JAX_PLATFORMS=cpu STRIPEDJAX_PALLAS_INTERPRET=1
-  CHUNKS=128,256 HEADS=2 HEAD_DIM=32 BLOCK=32 REPEATS=1
+  CHUNKS=128 HEADS=2 HEAD_DIM=32 BLOCK=32 REPEATS=1 TEST_LIMIT=300  # interpret mode is slow
   SEQ=256 MODEL="--config.model.num_layers=2 --config.model.d_model=128 --config.model.ffn_dim=256
     --config.model.num_heads=4 --config.model.num_kv_heads=4 --config.model.vocab_size=512
     --config.model.mlp_chunk=0 --config.attention.block_q=64 --config.attention.block_kv=64
     --config.data.max_docs=4"
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} STRIPEDJAX_PALLAS_INTERPRET=0
-  CHUNKS=4096,8192,16384,32768 HEADS=16 HEAD_DIM=128 BLOCK=0 REPEATS=5
+  CHUNKS=8192,32768 HEADS=16 HEAD_DIM=128 BLOCK=0 REPEATS=5 TEST_LIMIT=90
   SEQ=32768 MODEL=""
 fi
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -52,33 +54,27 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 $PY -c "import jax, flax, optax; d = jax.devices()[0]
 print('jax', jax.__version__, 'flax', flax.__version__, jax.devices(), getattr(d, 'compute_capability', ''))" || exit 1
 
-stage "1. kernel tests, real Pallas GPU kernels (ring of one: one GPU)"
-ids=()
+stage "1. kernel tests, real kernels (ring of one: one GPU): Pallas GPU and cudnn"
+ids=("tests/test_cudnn.py::test_cudnn_ring_matches_reference[1-(4, 1)-causal-bfloat16]"
+     "tests/test_cudnn.py::test_cudnn_ring_with_a_window[1-5-bfloat16]")
 for h in mha gqa4; do for m in causal packed; do for t in float32 bfloat16; do
   ids+=("tests/test_kernels.py::test_fused_ring_matches_reference[pallas_gpu-1-$h-$m-$t]")
 done; done; done
 ids+=("tests/test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds[pallas_gpu]"
-      "tests/test_kernels.py::test_dense_impl_uses_the_fused_kernel"
-      "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-whole]"
       "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-mixed]")
-for g in 3 5 6 7; do ids+=("tests/test_kernels.py::test_any_group_with_default_tiles[pallas_gpu-$g]"); done
-STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout 120 $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
+for g in 3 7; do ids+=("tests/test_kernels.py::test_any_group_with_default_tiles[pallas_gpu-$g]"); done
+STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout $TEST_LIMIT $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
   > "$OUT_DIR/kernel_tests.log" 2>&1 || status=1
 tail -25 "$OUT_DIR/kernel_tests.log"
+$PY -c "from parallel.kernels import cudnn; print('cudnn probe:', cudnn.probe())" 2>&1 | tail -1
 
-stage "1b. compile report of the default tiles for this GPU's architecture (head_dim 128)"
-arch=$($PY -c "import jax; from parallel.kernels import pallas_gpu; print(pallas_gpu.device_arch(jax.devices()[0]))")
-timeout 90 $PY scripts/gpu_compile.py --arch "$arch" --head-dims 128 --groups 1,4 --dtypes bfloat16 \
-  > "$OUT_DIR/gpu_compile.log" 2>&1 || echo "(gpu_compile needs the pinned triton package; see the log)"
-tail -12 "$OUT_DIR/gpu_compile.log"
-
-stage "2. bench_kernels: one round, bf16, $HEADS heads of $HEAD_DIM"
-timeout 170 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --head-dim $HEAD_DIM \
-  --block $BLOCK --repeats $REPEATS --json "$OUT_DIR/bench_kernels.json" > "$OUT_DIR/bench_kernels.log" 2>&1 \
-  || status=1
+stage "2. bench_kernels: one round per type, bf16, $HEADS heads of $HEAD_DIM"
+timeout 120 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --head-dim $HEAD_DIM \
+  --block $BLOCK --repeats $REPEATS --kernels pallas,cudnn,cudnn_bare --cases diagonal,striped,full \
+  --json "$OUT_DIR/bench_kernels.json" > "$OUT_DIR/bench_kernels.log" 2>&1 || status=1
 tail -30 "$OUT_DIR/bench_kernels.log"
 
-stage "3. llama_1b at $SEQ tokens on one GPU, xla then pallas_gpu"
+stage "3. llama_1b at $SEQ tokens on one GPU, cudnn then pallas_gpu, remat auto"
 # Rows of one document each (stdlib files joined into ~100k-token documents), so every step
 # attends the whole causal triangle that MFU counts: short packed documents skip most tiles
 # and make a step's speed depend on which documents it drew. A tokenizer trained on such a
@@ -99,17 +95,25 @@ with open(sys.argv[1], "w") as out:
 PYEOF
 tok=""; [ "$REHEARSE" = 1 ] || tok=$(ls .cache/data/tokenizers/bpe-32000-*.json 2>/dev/null | head -1)
 MODEL="$MODEL --config.data.source=jsonl --config.data.path=$docs${tok:+ --config.data.tokenizer=$tok}"
-for kernel in xla pallas_gpu; do
+for kernel in cudnn pallas_gpu; do
   run="$OUT_DIR/llama_1b_$kernel"
   # shellcheck disable=SC2086  # MODEL is a list of flags
-  timeout 90 $PY train.py --config configs/llama_1b.py --workdir "$run" $MODEL \
-    --config.attention.kernel=$kernel --config.mesh.fsdp=1 --config.mesh.sequence=1 \
+  timeout 75 $PY train.py --config configs/llama_1b.py --workdir "$run" $MODEL \
+    --config.attention.kernel=$kernel --config.model.remat=auto --config.mesh.fsdp=1 --config.mesh.sequence=1 \
     --config.data.seq_len=$SEQ --config.data.batch_size=1 \
     --config.train.steps=8 --config.train.log_every=2 --config.train.warmup_steps=2 \
     --config.train.eval_batches=0 --config.checkpoint.every=0 > "$OUT_DIR/train_$kernel.log" 2>&1 || status=1
-  grep -E "model:|step|error|Error" "$OUT_DIR/train_$kernel.log" | tail -8
+  grep -E "model:|remat auto|step|error|Error" "$OUT_DIR/train_$kernel.log" | tail -9
   cp "$run/metrics.jsonl" "$OUT_DIR/metrics_$kernel.jsonl" 2>/dev/null
   rm -rf "$run"  # the final checkpoint of a 1B model is 13 GB: keep the disk for the next run
 done
+stage "4. profile_step: llama_1b at $SEQ tokens, kernel auto, remat auto"
+# shellcheck disable=SC2086
+timeout 100 $PY scripts/profile_step.py --config configs/llama_1b.py $MODEL --steps 2 --warmup 1 \
+  --trace-dir "$OUT_DIR/profile" --json "$OUT_DIR/profile.json" --config.model.remat=auto \
+  --config.mesh.fsdp=1 --config.mesh.sequence=1 --config.data.seq_len=$SEQ \
+  --config.data.batch_size=1 > "$OUT_DIR/profile.log" 2>&1 || status=1
+tail -16 "$OUT_DIR/profile.log"
+
 stage "done (status $status); logs and JSON in $OUT_DIR"
 exit $status

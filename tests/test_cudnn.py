@@ -22,6 +22,10 @@ from parallel.kernels import cudnn, predicate
 from parallel.layouts import permutation
 
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
+# On a GPU (scripts/device_check.sh) the real cuDNN runs, and its fallback is the real Triton
+# kernel, whose tiles are 16 and more; the stand-in's xla fallback runs many small tiles.
+REAL = not kernels.interpret("cudnn", jax.devices()[0].platform)
+TILES = {"block_q": 16, "block_kv": 16} if REAL else {"block_q": 4, "block_kv": 8}
 
 
 # ----------------------------------------------------------------------------- classification
@@ -98,7 +102,7 @@ def types_spec(window):
 
 # (ring size, (Hq, Hkv), mask, dtype): every layout runs in each; "one_doc": segment ids that
 # hold one document (the cuDNN cases still apply), "packed": several (the fallback's rounds).
-CASES = [(1, (4, 1), "causal", "float32"), (2, (4, 4), "causal", "bfloat16"),
+CASES = [(1, (4, 1), "causal", "bfloat16"), (2, (4, 4), "causal", "bfloat16"),
          (4, (4, 2), "causal", "float32"), (4, (4, 4), "one_doc", "float32"),
          (2, (4, 1), "packed", "bfloat16")]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -113,26 +117,26 @@ def test_cudnn_ring_matches_reference(rng, case):
         want = reference(q, k, v, dout, np.broadcast_to(np.arange(L), (B, L)), seg)
         for layout, stripe in LAYOUTS:
             check(ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
-                               segment_ids=seg, kernel="cudnn", block_q=4, block_kv=8), want, 1e-5)
+                               segment_ids=seg, kernel="cudnn", **TILES), want, 1e-5)
         return
     run_all_layouts(rng, n, heads, mask, dtype=jnp.dtype(dtype), tol=TOL[dtype], layouts=LAYOUTS,
-                    block_q=4, block_kv=8, kernel="cudnn")
+                    kernel="cudnn", **TILES)
 
 
-@pytest.mark.parametrize("n,window", [(1, 5), (4, 21)])
-def test_cudnn_ring_with_a_window(rng, n, window):
+@pytest.mark.parametrize("n,window,dtype", [(1, 5, "bfloat16"), (4, 21, "float32")])
+def test_cudnn_ring_with_a_window(rng, n, window, dtype):
     """A window inside the diagonal block (cuDNN's sliding_window_length); on 4 devices one past
     a device's chunk of 16, cutting rounds off the diagonal (the fallback's) in every layout."""
     run_all_layouts(rng, n, (4, 2), "causal", layouts=LAYOUTS if n > 1 else LAYOUTS[:1],
-                    block_q=4, block_kv=8, kernel="cudnn", window=window)
+                    dtype=jnp.dtype(dtype), tol=TOL[dtype], kernel="cudnn", window=window,
+                    **TILES)
 
 
 @pytest.mark.parametrize("impl,n,kw,causal", [("allgather", 4, {}, True),
                                               ("usp", 4, {"ulysses": 2}, True),
                                               ("ring", 2, {}, False)])
 def test_cudnn_in_every_strategy(rng, impl, n, kw, causal):
-    run_all_layouts(rng, n, (4, 2), "causal", impl, causal=causal, block_q=4, block_kv=8,
-                    kernel="cudnn", **kw)
+    run_all_layouts(rng, n, (4, 2), "causal", impl, causal=causal, kernel="cudnn", **TILES, **kw)
 
 
 def test_cudnn_activations_must_be_bf16_or_fp16(monkeypatch, rng):
@@ -220,3 +224,14 @@ def test_a_window_exports_as_sliding_window_length(monkeypatch):
     calls = _cudnn_calls(_export_ring(monkeypatch, "contiguous", 1, window=48))
     assert {(t, mask, w) for t, mask, w, _ in calls} >= {
         ("__cudnn$fmhaSoftmax", "CAUSAL", 48), ("__cudnn$fmhaSoftmaxBackward", "CAUSAL", 48)}
+
+
+def test_the_startup_line_says_which_kernel_runs_which_rounds():
+    striped = permutation("striped", L, 4)
+    assert cudnn.startup_note(striped, 4, documents=True) == (
+        "of 16 device-rounds per layer, cuDNN runs diagonal 10, lower 6; a round holding more "
+        "than one packed document runs pallas_gpu")
+    assert cudnn.startup_note(permutation("contiguous", L, 4), 4, window=5, interpreted=True) == (
+        "a dense fp32 stand-in for cuDNN on this CPU (exact, not fast); of 16 device-rounds per "
+        "layer, cuDNN runs diagonal_window 4 (9 see no key: skipped); xla runs 3 that cuDNN's "
+        "masks cannot express")

@@ -454,8 +454,9 @@ def test_dense_impl_uses_the_fused_kernel(rng):
 
 def test_bench_kernels_runs_and_agrees(tmp_path):
     """scripts/bench_kernels.py stays working on a CPU (interpret mode, tiny sizes): a row per
-    kernel and case, every kernel's output equal to xla's to bf16 rounding, and the causal
-    fractions exact (the diagonal's (C+1)/2C; the striped round's strictly lower (C-1)/2C)."""
+    kernel and case (the cudnn round through its stand-in; bare cuDNN needs a GPU), every
+    kernel's output equal to xla's to bf16 rounding, and the causal fractions exact (the
+    diagonal's (C+1)/2C; the striped round's strictly lower (C-1)/2C; the full round's 1)."""
     import json
     import subprocess
     import sys
@@ -463,17 +464,19 @@ def test_bench_kernels_runs_and_agrees(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--chunks", "32",
            "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--block", "8", "--xla-block", "8",
-           "--repeats", "1", "--json", str(out)]
+           "--repeats", "1", "--cases", "diagonal,striped,full", "--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| chunk | case | kernel |" in res.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["kernel"]) for r in rows] == [
-        ("diagonal", "xla"), ("diagonal", "pallas_gpu"), ("striped", "xla"), ("striped", "pallas_gpu")]
+        (case, kernel) for case in ("diagonal", "striped", "full")
+        for kernel in ("xla", "pallas_gpu", "cudnn")]
+    assert "skipping cudnn_bare: no GPU" in res.stdout
     c = 32
     for r in rows:
-        want = (c + 1) / (2 * c) if r["case"] == "diagonal" else (c - 1) / (2 * c)
+        want = {"diagonal": (c + 1) / (2 * c), "striped": (c - 1) / (2 * c), "full": 1}[r["case"]]
         assert r["visible_fraction"] == want
         assert r["max_err_vs_first"] < 2e-2 and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
 

@@ -410,3 +410,41 @@ def test_remat_auto_in_the_plan_is_the_least_recompute_that_fits():
     assert _auto_pick(c, memory, 100 * gib, "h200")[0] == "full"
     c.train.memory_budget_gib = 1.0
     assert _auto_pick(c, memory, 100 * gib, "h200")[1].startswith("remat auto: no policy fits")
+
+
+def test_kernel_rates_read_the_measured_table_and_a_bench_json(tmp_path):
+    from planning import kernel_rates as kr
+    r = kr.load("h200", "pallas_gpu")
+    assert r.forward_flops_s("diagonal", 16384) == 302.3e12  # a measured chunk: as measured
+    mid = r.forward_flops_s("diagonal", 12000)  # log-linear between 8192 and 16384
+    assert 226.2e12 < mid < 302.3e12
+    f, fb = 348.5, 289.4  # 32k: the backward alone does 2.5 x the forward's FLOPs in t_fb - t_f
+    assert r.backward_flops_s("diagonal", 32768) == pytest.approx(2.5e12 / (3.5 / fb - 1 / f))
+    assert r.forward_flops_s("full", 65536) == 348.5e12  # no full row: the diagonal's, clamped
+    assert kr.load("h200", "cudnn").source.endswith("bare cuDNN's rates")
+    with pytest.raises(ValueError, match="has no rates for kernel pallas_tpu; valid: xla"):
+        kr.load("h200", "pallas_tpu")
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [
+        {"kernel": "cudnn", "case": "diagonal", "chunk": 8192, "fwd_tflops": 400.0,
+         "fwd_bwd_tflops": 380.0}]}))
+    own = kr.load(str(bench), "cudnn", matmul_efficiency=0.5)
+    assert own.forward_flops_s("striped", 4096) == 400e12 and own.matmul_efficiency == 0.5
+
+
+def test_the_planner_predicts_the_measured_h200_llama_1b_step():
+    """llama_1b at 32k tokens on one H200 with pallas_gpu: the planner at the kernel's measured
+    rates lands within 15% of the 16,500-17,300 tokens/s device_check.sh measured
+    (docs/kernels.md); the bound without rates is far above it."""
+    from configs import llama_1b
+    from planning.plan import make_plan
+    mesh = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
+    c = llama_1b.get_config()
+    c.attention.kernel = "pallas_gpu"
+    predicted = make_plan(c, mesh, 32768, 1, "h200", ["contiguous"], compile_program=False,
+                          impls=["ring"], kernel_rates="h200")
+    tps = predicted["layouts"]["contiguous"]["tokens_per_s"]
+    assert abs(tps / 16_900 - 1) < 0.15, tps
+    bound = make_plan(c, mesh, 32768, 1, "h200", ["contiguous"], compile_program=False,
+                      impls=["ring"])["layouts"]["contiguous"]["tokens_per_s"]
+    assert bound > 2 * tps

@@ -146,8 +146,11 @@ def startup_note(perm, shards, *, window=0, documents=False, interpreted=False) 
     """Which kernel runs which rounds of a ring on ``perm``: the training startup line's."""
     cases = round_cases(perm, shards, window=window)
     fb = "xla" if interpreted else "pallas_gpu"
-    ran = ", ".join(f"{name} {n}" for name, n in sorted(cases.items()) if name != "other")
-    note = f"of {shards * shards} device-rounds per layer, cuDNN runs {ran}"
+    ran = ", ".join(f"{name} {n}" for name, n in sorted(cases.items())
+                    if name not in ("other", "skip"))
+    note = f"of {shards * shards} device-rounds per layer, cuDNN runs {ran or 'none'}"
+    if cases.get("skip"):
+        note += f" ({cases['skip']} see no key: skipped)"
     if cases.get("other"):
         note += f"; {fb} runs {cases['other']} that cuDNN's masks cannot express"
     if documents:
