@@ -138,8 +138,9 @@ class Decoder(nnx.Module):
 def backend_from_config(config, mesh=None) -> AttentionBackend:
     from parallel import kernels
     a = config.attention
+    from model.flops import head_dim
     kernel = kernels.resolve(a.kernel, kernels.platform_of(mesh),
-                             compute_dtype(config.model.dtype))
+                             compute_dtype(config.model.dtype), head_dim(config.model))
     block_q, block_kv = kernels.tiles(kernel, a)
     return AttentionBackend(impl=a.impl, layout=a.layout, kernel=kernel, stripe=a.stripe,
                             block_q=block_q, block_kv=block_kv, mesh=mesh,

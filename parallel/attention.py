@@ -89,7 +89,7 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
         check_heads(impl, hq // nt, hkv // nt, n, u)
     chunk = length // n
     platform = kernels.platform_of(mesh)
-    kernel = kernels.resolve(kernel, platform, q.dtype)
+    kernel = kernels.resolve(kernel, platform, q.dtype, d)
     interpret = kernels.interpret(kernel, platform)
     tiles = tiling.plan(kernel, block_q, block_kv, group=hq // hkv, head_dim=d,
                         dtype=jnp.dtype(q.dtype).name, chunk=chunk, seq_len=length, shards=n,

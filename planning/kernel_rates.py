@@ -46,7 +46,21 @@ class Rates:
     matmul_efficiency: float = MATMUL_EFFICIENCY
 
     def _at(self, case: str, chunk: int) -> tuple[float, float]:
-        by_chunk = self.table.get(case) or self.table.get("diagonal") or next(iter(self.table.values()))
+        """(forward, forward+backward) TFLOP/s of ``case`` at ``chunk``. Outside the chunks a case
+        was measured at, it follows the diagonal's curve from its nearest measured chunk (H200's
+        striped round is measured at 32k only, and at 4k the kernel is 4x slower)."""
+        by_chunk = self.table.get(case)
+        diag = self.table.get("diagonal")
+        if by_chunk is None:
+            by_chunk = diag or next(iter(self.table.values()))
+        elif diag and by_chunk is not diag and not min(by_chunk) <= chunk <= max(by_chunk):
+            near = min(by_chunk, key=lambda c: abs(math.log(c / chunk)))
+            here, there = self._interp(diag, chunk), self._interp(diag, near)
+            return tuple(x * h / t for x, h, t in zip(by_chunk[near], here, there))
+        return self._interp(by_chunk, chunk)
+
+    @staticmethod
+    def _interp(by_chunk: dict, chunk: int) -> tuple[float, float]:
         chunks = sorted(by_chunk)
         lo = max([c for c in chunks if c <= chunk], default=chunks[0])
         hi = min([c for c in chunks if c >= chunk], default=chunks[-1])
@@ -61,6 +75,10 @@ class Rates:
     def backward_flops_s(self, case: str, chunk: int) -> float:
         """The backward alone (2.5x the forward's FLOPs) in the time forward+backward adds."""
         f, fb = self._at(case, chunk)
+        if FWD_BWD_FLOPS / fb <= 1 / f:
+            raise ValueError(f"{self.source}: {self.kernel} {case} at {chunk}: forward+backward "
+                             f"at {fb:g} TFLOP/s against a forward at {f:g} leaves the backward "
+                             f"no time; measure again")
         return (FWD_BWD_FLOPS - 1) / (FWD_BWD_FLOPS / fb - 1 / f) * 1e12
 
 

@@ -80,15 +80,15 @@ def run(args, config) -> int:
     import jax
 
     from parallel.mesh import make_mesh
-    from training import profile, remat
+    from training import profile
     from training.state import Trainer
     from training.validate import validate
     validate(config, jax.device_count())
     mesh = make_mesh(config.mesh)
-    config, remat_line = remat.resolve(config, mesh)
-    if remat_line:
-        print(remat_line)
     trainer = Trainer(config, mesh)
+    if trainer.remat_line:
+        print(trainer.remat_line)
+    config = trainer.config  # model.remat resolved
     state = trainer.init(args.seed)
     batch = synthetic_batch(trainer, config, args.seed)
     compiled = trainer.train_step.lower(state, batch).compile()

@@ -235,3 +235,19 @@ def test_the_startup_line_says_which_kernel_runs_which_rounds():
         "a dense fp32 stand-in for cuDNN on this CPU (exact, not fast); of 16 device-rounds per "
         "layer, cuDNN runs diagonal_window 4 (9 see no key: skipped); xla runs 3 that cuDNN's "
         "masks cannot express")
+
+
+def test_a_head_dim_cudnn_cannot_run_is_one_line(monkeypatch):
+    """cuDNN's head-dim rule is the kernel's own (a multiple of 8 up to 128 without a Hopper at
+    trace time); a head dim Triton cannot tile (96) leaves the fallback rounds to xla instead."""
+    from parallel.kernels.spec import Tile, RoundSpec
+    monkeypatch.setenv("STRIPEDJAX_PALLAS_INTERPRET", "0")
+    q = jnp.zeros((1, 64, 4, 12), jnp.bfloat16)
+    from parallel.attention import context_parallel_attention
+    with pytest.raises(KernelError, match="head dim 12 .*cudnn needs a multiple of 8 up to 128"):
+        context_parallel_attention(q, q, q, mesh=ring_mesh(2), layout="striped", kernel="cudnn")
+    t = Tile(64, 64)
+    spec = lambda d: RoundSpec("cudnn", t, t, t, 1, 4, d, 0.1, True, False, False)
+    assert cudnn.fallback(spec(128)) == "pallas_gpu" and cudnn.fallback(spec(96)) == "xla"
+    assert cudnn.fits("bfloat16", 96) and not cudnn.fits("bfloat16", 12)
+    assert not cudnn.fits("float32", 128) and not cudnn.fits("bfloat16", 256)

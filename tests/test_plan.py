@@ -448,3 +448,13 @@ def test_the_planner_predicts_the_measured_h200_llama_1b_step():
     bound = make_plan(c, mesh, 32768, 1, "h200", ["contiguous"], compile_program=False,
                       impls=["ring"])["layouts"]["contiguous"]["tokens_per_s"]
     assert bound > 2 * tps
+
+
+def test_a_round_type_measured_at_one_chunk_follows_the_diagonal_curve():
+    from planning import kernel_rates as kr
+    r = kr.load("h200", "pallas_gpu")
+    assert r.forward_flops_s("striped", 32768) == 357.9e12
+    assert r.forward_flops_s("striped", 4096) == pytest.approx(357.9e12 * 87.3 / 348.5)
+    bad = kr.Rates("x", "made up", {"diagonal": {1024: (100.0, 400.0)}})
+    with pytest.raises(ValueError, match="leaves the backward no time"):
+        bad.backward_flops_s("diagonal", 1024)

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 
 def eval_setup(config, log):
-    """(config, mesh) to evaluate on: the run's when it fits this machine, else one device."""
+    """(config, mesh) to evaluate on: the run's when it fits this machine, else one device.
+    ``model.remat=auto`` becomes ``full``: nothing is differentiated, so the policy changes
+    nothing, and choosing one would compile a train step per policy."""
     import jax
 
     from errors import ConfigError
     from parallel.mesh import make_mesh
     from training.validate import validate
+    if config.model.remat == "auto":
+        config = config.copy_and_resolve_references()
+        config.model.remat = "full"
     try:
         validate(config, jax.device_count())
         return config, make_mesh(config.mesh)

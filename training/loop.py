@@ -68,7 +68,10 @@ def kernel_note(trainer: Trainer, mesh, config=None) -> str:
     why = ""
     if config is not None and config.attention.kernel == "auto" and platform != "cpu":
         from model.decoder import compute_dtype
-        why = f" (auto: {kernels.auto_reason(platform, compute_dtype(config.model.dtype))})"
+        from model.flops import head_dim
+        reason = kernels.auto_reason(platform, compute_dtype(config.model.dtype),
+                                     head_dim(config.model))
+        why = f" (auto: {reason})"
     if kernel == "cudnn" and config is not None and config.attention.impl == "ring":
         from parallel.kernels import cudnn
         from parallel.layouts import permutation
@@ -107,13 +110,11 @@ def run(config, workdir: pathlib.Path) -> dict:
     mesh = make_mesh(config.mesh)
     pipe = make_pipeline(config, mesh)
     check_workdir(workdir, pipe.fingerprint)
-    from training import remat
-    trainer_config, remat_line = remat.resolve(config, mesh)  # the run's config keeps "auto"
-    trainer = Trainer(trainer_config, mesh)
+    trainer = Trainer(config, mesh)  # resolves model.remat=auto; the run's config keeps "auto"
     workdir.mkdir(parents=True, exist_ok=True)
     log = MetricsLogger(workdir, config, start_step=0)
-    if remat_line:
-        log.write(remat_line)
+    if trainer.remat_line:
+        log.write(trainer.remat_line)
     ckpts = None
     try:
         ckpts = Checkpoints(workdir / "checkpoints", config.checkpoint, log=log.write)

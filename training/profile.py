@@ -5,7 +5,8 @@ Every XLA op the trace shows running on the first device is put in one row, by t
 HLO (the compiled step's text) and the name scopes the code sets (``attention_fwd``,
 ``attention_bwd``, ``rms_norm``, ``loss``, ``optimizer``):
 
-    attention forward / backward   ops under those scopes (the ring's kernels and its transfers)
+    attention forward / backward   ops under those scopes (the ring's kernels; its K/V
+                                   transfers are collectives)
     matmuls                        dot / convolution, GEMM custom calls, fusions around a dot
     norms                          ops under ``rms_norm`` (and their gradients)
     loss                           the output head's chunked cross-entropy
@@ -59,7 +60,7 @@ def parse_hlo(text: str) -> tuple[dict[str, Op], dict[str, str]]:
             current = None
             continue
         body.append(line)
-        m = _INSTR.match(line)
+        m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))  # tuple shapes carry /*index=5*/
         if not m:
             continue
         name = re.search(r'op_name="([^"]*)"', line)

@@ -8,9 +8,10 @@ others (no separate host memory), so they are not tried. Each candidate's step i
 the run's mesh (no weights made; the planner's fast compile, ``planning/program.py``) and its
 per-device bytes (state + batch + outputs not written
 in place + temporaries, XLA's own accounting: ``planning.program.Memory.total``) compared with
-the budget: ``train.memory_budget_gib`` when set (the tests force each choice with it), else the
-device's own limit (``memory_stats()["bytes_limit"]``). Where neither is known (a CPU) ``none``
-is chosen without compiling.
+the budget: ``train.memory_budget_gib`` when set (the tests force each choice with it), else 90%
+of the device's own limit (``memory_stats()["bytes_limit"]``). Where neither is known (a CPU)
+``none`` is chosen without compiling. ``training.state.Trainer`` resolves it, so every script that
+trains resolves it the same way.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from errors import ConfigError
 ORDER = ("none", "attention", "offload", "full", "offload_input")
 HOST_OFFLOAD = ("offload", "offload_input")
 GIB = 2 ** 30
+USABLE = 0.9  # of a device's own memory (planning/hardware.py's USABLE_FRACTION)
 
 
 def budget(config, device) -> tuple[int | None, str]:
@@ -30,8 +32,9 @@ def budget(config, device) -> tuple[int | None, str]:
         return int(gib * GIB), f"train.memory_budget_gib={gib:g}"
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
-    if limit:
-        return int(limit), f"the {device.device_kind}'s {limit / GIB:.1f} GiB"
+    if limit:  # headroom for fragmentation and kernels' workspaces, as the planner leaves
+        return int(limit * USABLE), (f"{USABLE:.0%} of the {device.device_kind}'s "
+                                     f"{limit / GIB:.1f} GiB")
     return None, "no memory limit known"
 
 

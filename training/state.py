@@ -29,6 +29,10 @@ class Trainer:
     """Builds the model's structure once and holds the jitted, sharded step functions."""
 
     def __init__(self, config, mesh):
+        # model.remat=auto: the policy that fits, compiled per policy (training/remat.py); the
+        # line saying which is ``remat_line`` (None when the config names a policy).
+        from training import remat
+        config, self.remat_line = remat.resolve(config, mesh)
         self.config, self.mesh = config, mesh
         backend = backend_from_config(config, mesh)
         m = config.model

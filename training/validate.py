@@ -91,7 +91,8 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
         import jax
         platform = jax.devices()[0].platform
     dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
-    kernel = kernels.resolve(a.kernel, platform, dtype)
+    from model.flops import head_dim
+    kernel = kernels.resolve(a.kernel, platform, dtype, head_dim(m))
     _need(kernel != "cudnn" or platform == "cpu" or dtype in ("bfloat16", "float16"),
           f"attention.kernel=cudnn runs bf16 or fp16 activations, model.dtype={m.dtype} gives "
           f"{dtype}; set model.dtype=bfloat16 or use attention.kernel=pallas_gpu")

@@ -82,12 +82,14 @@ def platform_of(mesh) -> str:
     return first_device(mesh).platform
 
 
-def resolve(kernel: str, platform: str, dtype=None) -> str:
+def resolve(kernel: str, platform: str, dtype=None, head_dim=None) -> str:
     """The concrete kernel (a :data:`REGISTRY` name) for a request on a platform. ``auto`` on a
-    GPU with bf16/fp16 activations (``dtype``) picks ``cudnn`` where its one-time probe passes
-    (:func:`auto_reason` says why either way), else the platform's fused kernel."""
+    GPU with activations cuDNN runs (``dtype`` bf16/fp16, ``head_dim``) picks ``cudnn`` where
+    its one-time probe passes (:func:`auto_reason` says why either way), else the platform's
+    fused kernel."""
     if kernel == "auto":
-        if AUTO.get(platform) == "pallas_gpu" and _cudnn_fits(dtype) and _cudnn_probe()[0]:
+        if (AUTO.get(platform) == "pallas_gpu" and _cudnn_fits(dtype, head_dim)
+                and _cudnn_probe()[0]):
             return "cudnn"
         return AUTO.get(platform, "xla")
     if kernel not in REGISTRY:  # not KERNELS: it misses entries added later
@@ -96,21 +98,21 @@ def resolve(kernel: str, platform: str, dtype=None) -> str:
     return kernel
 
 
-def _cudnn_fits(dtype) -> bool:
-    import numpy as np
-    return dtype is not None and np.dtype(dtype).name in ("bfloat16", "float16")
+def _cudnn_fits(dtype, head_dim=None) -> bool:
+    return dtype is not None and module("cudnn").fits(dtype, head_dim)
 
 
 def _cudnn_probe():
     return module("cudnn").probe()
 
 
-def auto_reason(platform: str, dtype=None) -> str:
+def auto_reason(platform: str, dtype=None, head_dim=None) -> str:
     """Why ``auto`` resolved as it did on this platform (for the startup line)."""
     if AUTO.get(platform) != "pallas_gpu":
         return f"the {platform} default"
-    if not _cudnn_fits(dtype):
-        return f"cudnn needs bf16/fp16 activations, these are {dtype}"
+    if not _cudnn_fits(dtype, head_dim):
+        return (f"cudnn needs bf16/fp16 activations and a head dim a multiple of 8 up to 128, "
+                f"these are {dtype} with head dim {head_dim}")
     return _cudnn_probe()[1]
 
 

@@ -56,16 +56,32 @@ NEEDS_OUT = True  # the backward reads the global output (cuDNN computes dO . O 
 CASES = ("skip", "full", "diagonal", "diagonal_window", "lower", "kv_head", "q_tail", "other")
 SKIP, FULL, DIAG, DIAG_W, LOWER, KV_HEAD, Q_TAIL, OTHER = range(len(CASES))
 CUDNN_DTYPES = ("bfloat16", "float16")
+HEAD_DIM_MAX = 128  # what JAX's cuDNN attention allows without a Hopper device at trace time
 
 # Tiles are the fallback's (``pallas_gpu``): cuDNN picks its own.
 default_tiles = pallas_gpu.default_tiles
-check_tile = pallas_gpu.check_tile
 device_arch = pallas_gpu.device_arch
 
 
+def check_tile(names, tile, group, head_dim, chunk):
+    """cuDNN's own rule (the head dim); the fallback's tiles are checked by :func:`fallback`."""
+    if head_dim % 8 or head_dim > HEAD_DIM_MAX:
+        raise KernelError(f"head dim {head_dim} (model.head_dim, or d_model / num_heads): "
+                          f"attention.kernel=cudnn needs a multiple of 8 up to {HEAD_DIM_MAX}; "
+                          f"use attention.kernel=pallas_gpu or xla")
+
+
 def fallback(spec: RoundSpec) -> str:
-    """The kernel of the rounds cuDNN cannot express."""
-    return "xla" if spec.interpret else "pallas_gpu"
+    """The kernel of the rounds cuDNN cannot express: ``pallas_gpu`` where Triton can run these
+    tiles and head dim, else ``xla`` (and ``xla`` behind the stand-in)."""
+    if spec.interpret:
+        return "xla"
+    try:
+        for tile in (spec.fwd, spec.dq, spec.dkv):
+            pallas_gpu.check_tile(("block_q", "block_kv"), tile, spec.group, spec.head_dim, 0)
+    except KernelError:
+        return "xla"
+    return "pallas_gpu"
 
 
 # ----------------------------------------------------------------------------- classification
@@ -243,36 +259,57 @@ def standin_backward(q_BTNH, k_BSKH, v_BSKH, out_BTNH, lse_BNT, dout_BTNH, *, sc
     return dq.astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype)
 
 
+def fits(dtype, head_dim=None) -> bool:
+    """Whether cuDNN can run these activations: bf16/fp16, a head dim a multiple of 8 up to
+    HEAD_DIM_MAX (None: not known here)."""
+    ok_dim = head_dim is None or (head_dim % 8 == 0 and head_dim <= HEAD_DIM_MAX)
+    return dtype is not None and np.dtype(dtype).name in CUDNN_DTYPES and ok_dim
+
+
 @functools.lru_cache(maxsize=None)
 def probe() -> tuple[bool, str]:
-    """Whether cuDNN attention runs here (one small forward and backward on the first GPU,
-    checked against the stand-in), and why: what ``attention.kernel=auto`` reads on a GPU."""
+    """Whether cuDNN attention runs here, and why: on the first GPU, every call shape the ring
+    makes (causal square, causal on an odd length as the strictly-lower slice runs, unmasked with
+    fewer keys than queries and the reverse, causal with a sliding window), forward and backward,
+    checked against the stand-in. What ``attention.kernel=auto`` reads on a GPU. Runs eagerly
+    even when first asked for inside a trace, so that its cached answer is the device's."""
     try:
         gpu = jax.devices("gpu")[0]
     except RuntimeError:
         return False, "no GPU"
     try:
-        fa = _fa()
-        version = fa.check_cudnn_version()
-        keys = jax.random.split(jax.random.key(0), 4)
-        q, do = (jax.random.normal(k, (1, 128, 2, 64), jnp.bfloat16) for k in keys[:2])
-        k, v = (jax.random.normal(k, (1, 128, 1, 64), jnp.bfloat16) for k in keys[2:])
-        q, k, v, do = jax.device_put((q, k, v, do), gpu)
-        kw = dict(scale=0.125, causal=True, window=0)
-
-        def both(f, g):
-            out, lse = f(q, k, v, **kw)
-            return out, lse, g(q, k, v, out, lse, do, **kw)
-
-        got = jax.jit(lambda: both(cudnn_forward, cudnn_backward))()
-        want = jax.jit(lambda: both(standin_forward, standin_backward))()
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            if not np.allclose(a, b, atol=5e-2 * (np.abs(b).max() + 1e-6)):
-                return False, "cuDNN attention ran but disagreed with the reference"
+        with jax.ensure_compile_time_eval():
+            version = _fa().check_cudnn_version()
+            for t, s, causal, window in ((128, 128, True, 0), (127, 127, True, 0),
+                                         (128, 64, False, 0), (64, 128, False, 0),
+                                         (128, 128, True, 32)):
+                why = _probe_one(gpu, t, s, causal, window)
+                if why:
+                    return False, why
     except Exception as e:  # noqa: BLE001 - any failure means: do not pick it
         return False, f"cuDNN attention failed its probe ({str(e).splitlines()[0][:120]})"
-    return True, f"cuDNN {version} passed a forward+backward probe"
+    return True, f"cuDNN {version} passed a forward+backward probe of every round shape"
+
+
+def _probe_one(gpu, t, s, causal, window) -> str | None:
+    keys = jax.random.split(jax.random.key(t + s), 4)
+    q, do = (jax.random.normal(k, (1, t, 2, 64), jnp.bfloat16) for k in keys[:2])
+    k, v = (jax.random.normal(k, (1, s, 1, 64), jnp.bfloat16) for k in keys[2:])
+    q, k, v, do = jax.device_put((q, k, v, do), gpu)
+    kw = dict(scale=0.125, causal=causal, window=window)
+
+    def both(f, g):
+        out, lse = f(q, k, v, **kw)
+        return out, lse, g(q, k, v, out, lse, do, **kw)
+
+    got = jax.jit(lambda: both(cudnn_forward, cudnn_backward))()
+    want = jax.jit(lambda: both(standin_forward, standin_backward))()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if not np.allclose(a, b, atol=5e-2 * (np.abs(b).max() + 1e-6)):
+            return (f"cuDNN attention disagreed with the reference ({t} queries, {s} keys, "
+                    f"{'causal' if causal else 'unmasked'}{f', window {window}' if window else ''})")
+    return None
 
 
 def _calls(spec: RoundSpec):
@@ -320,10 +357,13 @@ def _fallback(spec):
 
 
 def _check_dtype(spec, dtype):
-    if not spec.interpret and jnp.dtype(dtype).name not in CUDNN_DTYPES:
+    if spec.interpret:
+        return
+    if jnp.dtype(dtype).name not in CUDNN_DTYPES:
         raise KernelError(f"attention.kernel=cudnn runs bf16 or fp16 activations, got "
                           f"{jnp.dtype(dtype).name}; set model.dtype=bfloat16 or use "
                           f"attention.kernel=pallas_gpu")
+    check_tile(None, None, spec.group, spec.head_dim, None)
 
 
 def queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS) -> Query:
