@@ -15,16 +15,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-# The planner never runs what it compiles: the backend's code generation can skip its
-# optimisations (a third less compile time); buffer assignment, hence memory, is unchanged.
-# XLA CPU has no bf16 dynamic-slice: it computes the backward's slices of the stacked bf16
-# layer inputs in fp32, and loop-invariant code motion then hoists an fp32 copy of the whole
-# [layers, B, L, D] stack out of the backward loop (16 GiB for llama_7b at 262k tokens on 64
-# devices). GPUs and TPUs slice bf16 natively and never make that copy, so the planner
-# compiles without the hoisting.
-PLAN_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
-                         "xla_llvm_disable_expensive_passes": True,
-                         "xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+from training.state import FAST_COMPILE
+
+# The planner never runs what it compiles: training/state.py's FAST_COMPILE says why its options.
+PLAN_COMPILER_OPTIONS = FAST_COMPILE
 
 
 @dataclasses.dataclass
@@ -79,9 +73,7 @@ def planned_config(config, seq_len: int, global_rows: int, mesh_sizes: dict, rem
 
 def abstract_batch(trainer, rows: int, seq_len: int) -> dict:
     """ShapeDtypeStructs of one [B, L] batch, sharded like the real ones."""
-    dtypes = {"loss_mask": jnp.float32}
-    return {k: jax.ShapeDtypeStruct((rows, seq_len), dtypes.get(k, jnp.int32), sharding=s)
-            for k, s in trainer.batch_shardings.items()}
+    return trainer.abstract_batch(rows, seq_len)
 
 
 def shard_bytes(tree) -> int:

@@ -10,7 +10,6 @@ import pytest
 from configs import tiny
 from errors import ConfigError
 from parallel.mesh import make_mesh
-from planning.program import compile_step
 from training import remat
 from training.validate import validate
 
@@ -29,20 +28,15 @@ def config(budget_bytes=0.0):
 def compiled_total(policy):
     """Bytes per device of the tiny step under ``policy`` (compiled once per session)."""
     c = remat.with_remat(config(), policy)
-    return compile_step(c, list(make_mesh(c.mesh).devices.flat)).memory.total
+    return remat.step_bytes(c, make_mesh(c.mesh))
 
 
 def counting_compile(calls):
-    def compile_fn(c, devices, compiler_options=None):
+    """remat.choose's measure, memoised, recording which policies it was asked for."""
+    def measure(c, mesh):
         calls.append(c.model.remat)
-        return _Compiled(compiled_total(c.model.remat))
-    return compile_fn
-
-
-class _Compiled:
-    def __init__(self, total):
-        self.memory = type("M", (), {"total": total})()
-
+        return compiled_total(c.model.remat)
+    return measure
 
 def test_less_recompute_needs_more_memory():
     assert compiled_total("none") > compiled_total("attention") > compiled_total("full")
@@ -55,7 +49,7 @@ def test_each_budget_picks_the_least_recompute_that_fits(policy):
     budget = compiled_total(policy) + 1024
     c = config(budget)
     calls = []
-    got, why = remat.choose(c, make_mesh(c.mesh), compile_step=counting_compile(calls))
+    got, why = remat.choose(c, make_mesh(c.mesh), measure=counting_compile(calls))
     assert got == policy
     assert calls == list(remat.ORDER_ON_CPU[:remat.ORDER_ON_CPU.index(policy) + 1])
     assert compiled_total(got) <= budget
@@ -68,13 +62,13 @@ def test_nothing_fits_is_one_line():
     c = config(compiled_total("full") - 1024)
     with pytest.raises(ConfigError, match=r"model.remat=auto: no policy fits train.memory_budget"
                                           r".* \(none .* GiB, attention .* GiB, full .* GiB\)"):
-        remat.choose(c, make_mesh(c.mesh), compile_step=counting_compile([]))
+        remat.choose(c, make_mesh(c.mesh), measure=counting_compile([]))
 
 
 def test_no_budget_on_a_cpu_compiles_nothing():
     c = config()
     calls = []
-    policy, why = remat.choose(c, make_mesh(c.mesh), compile_step=counting_compile(calls))
+    policy, why = remat.choose(c, make_mesh(c.mesh), measure=counting_compile(calls))
     assert (policy, calls) == ("none", [])
     assert why == "remat auto: none (no memory limit known: the least recompute)"
 

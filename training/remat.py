@@ -5,13 +5,12 @@ The policies, least recompute first: ``none`` (keep every activation), ``attenti
 projection matmuls), ``offload`` (the same, kept in host memory), ``full`` (keep only each
 layer's input), ``offload_input`` (that, in host memory). On a CPU the offload policies are the
 others (no separate host memory), so they are not tried. Each candidate's step is compiled for
-the run's mesh (no weights made; the planner's fast compile, ``planning/program.py``) and its
-per-device bytes (state + batch + outputs not written
-in place + temporaries, XLA's own accounting: ``planning.program.Memory.total``) compared with
-the budget: ``train.memory_budget_gib`` when set (the tests force each choice with it), else 90%
-of the device's own limit (``memory_stats()["bytes_limit"]``). Where neither is known (a CPU)
-``none`` is chosen without compiling. ``training.state.Trainer`` resolves it, so every script that
-trains resolves it the same way.
+the run's mesh (no weights made; the planner's fast compile, ``Trainer.step_bytes``) and its
+per-device bytes (state + batch + outputs not written in place + temporaries, XLA's own
+accounting) compared with the budget: ``train.memory_budget_gib`` when set (the tests force
+each choice with it), else 90% of the device's own limit (``memory_stats()["bytes_limit"]``).
+Where neither is known (a CPU) ``none`` is chosen without compiling. ``training.state.Trainer``
+resolves it, so every script that trains resolves it the same way.
 """
 from __future__ import annotations
 
@@ -52,11 +51,15 @@ def with_remat(config, policy: str):
     return c
 
 
-def choose(config, mesh, compile_step=None) -> tuple[str, str]:
+def step_bytes(config, mesh) -> int:
+    from training.state import Trainer
+    return Trainer(config, mesh).step_bytes()
+
+
+def choose(config, mesh, measure=step_bytes) -> tuple[str, str]:
     """(policy, one line saying why) for ``config`` (whose ``model.remat`` is ``auto``) on
-    ``mesh``; ConfigError in one line when no policy fits."""
-    if compile_step is None:
-        from planning.program import compile_step
+    ``mesh``; ConfigError in one line when no policy fits. ``measure(config, mesh)``: per-device
+    bytes of the config's compiled step."""
     device = mesh.devices.flat[0]
     limit, source = budget(config, device)
     order = candidates(device.platform)
@@ -64,8 +67,7 @@ def choose(config, mesh, compile_step=None) -> tuple[str, str]:
         return order[0], f"remat auto: {order[0]} ({source}: the least recompute)"
     needs = {}
     for policy in order:
-        compiled = compile_step(with_remat(config, policy), list(mesh.devices.flat))
-        needs[policy] = compiled.memory.total
+        needs[policy] = measure(with_remat(config, policy), mesh)
         if needs[policy] <= limit:
             tried = "".join(f"; {p} needs {b / GIB:.2f} GiB" for p, b in needs.items()
                             if p != policy)
