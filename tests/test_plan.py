@@ -435,7 +435,8 @@ def test_kernel_rates_read_the_measured_table_and_a_bench_json(tmp_path):
 def test_the_planner_predicts_the_measured_h200_llama_1b_step():
     """llama_1b at 32k tokens on one H200 with pallas_gpu: the planner at the kernel's measured
     rates lands within 15% of the 16,500-17,300 tokens/s device_check.sh measured
-    (docs/kernels.md); the bound without rates is far above it."""
+    (docs/kernels.md); the bound without rates is far above it; xla's prediction is the
+    documented miss. These are the figures README.md and docs/planning.md quote."""
     from configs import llama_1b
     from planning.plan import make_plan
     mesh = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
@@ -445,9 +446,16 @@ def test_the_planner_predicts_the_measured_h200_llama_1b_step():
                           impls=["ring"], kernel_rates="h200")
     tps = predicted["layouts"]["contiguous"]["tokens_per_s"]
     assert abs(tps / 16_900 - 1) < 0.15, tps
+    assert round(tps, -2) == 16_300  # docs/planning.md's and the README's figure
     bound = make_plan(c, mesh, 32768, 1, "h200", ["contiguous"], compile_program=False,
                       impls=["ring"])["layouts"]["contiguous"]["tokens_per_s"]
-    assert bound > 2 * tps
+    assert round(bound, -2) == 42_800 and bound > 2 * tps
+    # xla is the known miss: predicted 2.19k against 3,900-4,100 measured (its attention ran
+    # ~1.9x faster inside the step than bench_kernels measured it alone; docs/planning.md)
+    c.attention.kernel = "xla"
+    xla = make_plan(c, mesh, 32768, 1, "h200", ["contiguous"], compile_program=False,
+                    impls=["ring"], kernel_rates="h200")["layouts"]["contiguous"]["tokens_per_s"]
+    assert round(xla, -1) == 2_190 and xla / 4_000 < 0.85
 
 
 def test_a_round_type_measured_at_one_chunk_follows_the_diagonal_curve():

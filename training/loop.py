@@ -81,7 +81,8 @@ def kernel_note(trainer: Trainer, mesh, config=None) -> str:
             perm, n, window=config.model.sliding_window, documents=bool(a.document_mask),
             interpreted=interpreted) + ")"
     if interpreted:
-        return kernel + " (Pallas interpret mode: exact but slow)"
+        mode = "a dense fp32 stand-in for cuDNN" if kernel == "cudnn" else "Pallas interpret mode"
+        return kernel + f" ({mode}: exact but slow)"
     if kernel == "pallas_gpu":
         from parallel.kernels import pallas_gpu
         if pallas_gpu.TRITON_DEPRECATED:
