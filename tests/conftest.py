@@ -31,7 +31,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def rng():
-    """Fresh random inputs on every run; the seed is printed so a failure can be replayed."""
-    seed = np.random.SeedSequence().entropy
+    """Fresh random inputs on every run; the seed is printed so a failure can be replayed
+    (``STRIPEDJAX_SEED=<seed> pytest tests/x.py::test_y``)."""
+    seed = int(os.environ.get("STRIPEDJAX_SEED") or np.random.SeedSequence().entropy)
     print(f"numpy seed {seed}")  # shown by pytest when the test fails
     return np.random.default_rng(seed)
