@@ -77,11 +77,13 @@ def agree(got, want, logits16, logits32):
 
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
-IMPLS = ("ring", "allgather", "ulysses", "usp")
 
 
 @pytest.mark.parametrize("dtype,cases", [
-    ("float32", [(layout, impl) for layout in LAYOUTS for impl in IMPLS]),
+    # the ring in every layout, every other strategy once; with bf16's cases, each of those
+    # strategies in two layouts (each case compiles its own prefill and decode step)
+    ("float32", [(layout, "ring") for layout in LAYOUTS]
+     + [("zigzag", "allgather"), ("striped", "ulysses"), ("contiguous", "usp")]),
     # every layout and every strategy once
     ("bfloat16", [("contiguous", "ring"), ("striped", "allgather"), ("zigzag", "ulysses"),
                   ("striped", "usp")])])
