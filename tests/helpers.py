@@ -15,14 +15,6 @@ from parallel.layouts import inverse, permutation
 B, L, D = 2, 64, 16
 
 
-def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a process a test starts with ``devices`` simulated devices: conftest's
-    flags (its compile level among them) with that device count."""
-    count = "--xla_force_host_platform_device_count"
-    keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
-    return " ".join(keep + [f"{count}={devices}"])
-
-
 def ring_mesh(n, axis_types=AxisType.Auto):
     return jax.make_mesh((n,), ("sequence",), axis_types=(axis_types,), devices=jax.devices()[:n])
 

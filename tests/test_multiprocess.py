@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import TWO_PROCESS_TINY, launcher_env, xla_flags
+from helpers import TWO_PROCESS_TINY, launcher_env
 from parallel.schedule import work
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def start_host(workdir, port=None, i=0, devices=1, extra=()) -> subprocess.Popen
            f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}", *extra]
     if port is not None:
         cmd += ["--coordinator", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)]
-    host_env = dict(env(), XLA_FLAGS=xla_flags(devices),
+    host_env = dict(env(), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                     PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, cwd=ROOT, env=host_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

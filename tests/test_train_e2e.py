@@ -9,15 +9,14 @@ import subprocess
 import sys
 import tempfile
 
-from helpers import xla_flags
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SESSION = pathlib.Path(tempfile.mkdtemp(prefix="e2e_tests_"))
 atexit.register(shutil.rmtree, SESSION, ignore_errors=True)
 
 
 def run_train(workdir, *overrides, devices=8):
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
            "--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
            "--config.data.max_docs=120", "--config.model.vocab_size=512",

@@ -38,9 +38,8 @@ OVERRIDES = {
 
 
 def env() -> dict:
-    from helpers import xla_flags
     e = dict(os.environ)
-    e.update(XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",
+    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
              PYTHONUNBUFFERED="1")  # the compilation cache: conftest's, in os.environ
     return e
 
