@@ -34,6 +34,10 @@ H200 = {
                                 16384: (486.4, 531.8), 32768: (577.5, 535.2)}},
 }
 BUILT_IN = {"h200": H200}
+# The xla kernel's tile (attention.block_q = block_kv) the built-in rows were measured with
+# (bench_kernels' --xla-block default). Its speed is per tile (several kernels each, the scores
+# in memory), so rates measured at one tile do not time another.
+BUILT_IN_XLA_TILE = {"h200": 512}
 FWD_BWD_FLOPS = 3.5  # forward+backward FLOPs over the forward's (bench_kernels' count)
 
 
@@ -44,6 +48,18 @@ class Rates:
     source: str
     table: dict
     matmul_efficiency: float = MATMUL_EFFICIENCY
+    xla_tile: int | None = None  # the xla kernel's tile the rows were measured with
+
+    def tile_caveat(self, block_q: int, block_kv: int) -> str:
+        """One line when the rows time an xla kernel with other tiles than the config's, else ''.
+        (llama_1b at 32k on the H200: tiles of 1,024 ran about 1.9x faster than rates measured
+        with 512 predict.)"""
+        if self.kernel != "xla" or not self.xla_tile or block_q == block_kv == self.xla_tile:
+            return ""
+        return (f"the xla rates were measured with {self.xla_tile}-position tiles and this config "
+                f"runs {block_q}x{block_kv} (attention.block_q/block_kv): its attention time is "
+                f"not measured; bench it with scripts/bench_kernels.py --kernels xla "
+                f"--xla-block {block_q}")
 
     def _at(self, case: str, chunk: int) -> tuple[float, float]:
         """(forward, forward+backward) TFLOP/s of ``case`` at ``chunk``. Outside the chunks a case
@@ -82,6 +98,12 @@ class Rates:
         return (FWD_BWD_FLOPS - 1) / (FWD_BWD_FLOPS / fb - 1 / f) * 1e12
 
 
+def xla_tile_of(path: str) -> int | None:
+    """The xla tile of a bench_kernels.py JSON's xla rows (512, its default, before it said)."""
+    rows = [r for r in json.loads(pathlib.Path(path).read_text())["rows"] if r["kernel"] == "xla"]
+    return int(rows[0].get("xla_block", 512)) if rows else None
+
+
 def from_bench_json(path: str, kernel: str) -> dict:
     """bench_kernels.py's ``--json`` rows of ``kernel``: case -> {chunk: (fwd, fwd+bwd)}."""
     rows = json.loads(pathlib.Path(path).read_text())["rows"]
@@ -99,9 +121,11 @@ def load(spec: str, kernel: str, matmul_efficiency: float = MATMUL_EFFICIENCY) -
     has no rates for ``kernel``."""
     if spec in BUILT_IN:
         get, source, valid = BUILT_IN[spec].get, f"{spec} (docs/kernels.md)", ", ".join(BUILT_IN[spec])
+        xla_tile = BUILT_IN_XLA_TILE[spec]
     else:
         try:
             rows = {k: from_bench_json(spec, k) for k in (kernel, "cudnn_bare")}
+            xla_tile = xla_tile_of(spec)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"--kernel-rates {spec}: not a built-in table ({', '.join(BUILT_IN)}) "
                              f"nor a readable scripts/bench_kernels.py JSON ({e})") from None
@@ -111,4 +135,4 @@ def load(spec: str, kernel: str, matmul_efficiency: float = MATMUL_EFFICIENCY) -
         table, source = get("cudnn_bare"), source + ", bare cuDNN's rates"
     if not table:
         raise ValueError(f"--kernel-rates {spec} has no rates for kernel {kernel}; valid: {valid}")
-    return Rates(kernel, source, table, matmul_efficiency)
+    return Rates(kernel, source, table, matmul_efficiency, xla_tile)

@@ -169,7 +169,9 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         except ValueError as e:
             raise PlanError(str(e)) from None
         plan["kernel_rates"] = {"kernel": kernel, "source": rates.source,
-                                "matmul_efficiency": rates.matmul_efficiency}
+                                "matmul_efficiency": rates.matmul_efficiency,
+                                "caveat": rates.tile_caveat(base.attention.block_q,
+                                                            base.attention.block_kv)}
     step_by_remat = {}
     for r in remats:  # the projection reads remat from its argument, not from the config
         proj = step_time.project(base, mesh_sizes, global_rows, hw, layouts, r,

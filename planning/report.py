@@ -103,6 +103,8 @@ def markdown(plan: dict) -> str:
                      f"{_seconds(p['attention_s'])} | {_seconds(p['dense_s'])} | "
                      f"{_seconds(p['projected_step_s'])} | {_si(p['tokens_per_s'])} | "
                      f"{p['mfu_bound']:.1%} |")
+    if kr and kr.get("caveat"):
+        lines += ["", f"Not a prediction of the attention: {kr['caveat']}."]
     if "ring_bandwidth_bytes_s" in plan:
         first = next(iter(plan["layouts"].values()))["ring"]
         lines += ["", f"Ring links: {plan['ring_bandwidth_bytes_s'] / GB:.0f} GB/s one way"

@@ -226,6 +226,8 @@ def run(args, save=lambda rows, failures: None):
                        "fwd_bwd_tflops": 3.5 * flops / t_fb / 1e12, "visible_fraction": frac,
                        "max_err_vs_first": float(np.max(np.abs(out - ref))),
                        "interpret": kernels.interpret(name, platform) if name.startswith("pallas") else False}
+                if name == "xla":  # its speed depends on the tile: the planner checks it
+                    row["xla_block"] = min(args.xla_block, chunk)
                 rows.append(row)
                 save(rows, failures)
                 print(f"  {chunk:>6} {case:<8} {name:<10} fwd {row['fwd_ms']:9.2f} ms "

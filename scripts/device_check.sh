@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Checks and times the GPU path on one GPU host, in under 8 minutes (the stages' time limits
-# add up to 7 min 35 s; a stage that ignores its limit is killed 10 s later); installs nothing from the
+# add up to 7 min 50 s; a stage that ignores its limit is killed 10 s later); installs nothing from the
 # network. From the repository root on the GPU host:
 #
 #     bash scripts/device_check.sh [OUT_DIR]
@@ -9,6 +9,8 @@
 #    and not, and cudnn (bf16, with a window);
 # 2. scripts/bench_kernels.py through the ring API, per round type (diagonal, strictly lower,
 #    full): pallas_gpu vs the cudnn round vs bare cuDNN, bf16, head_dim 128, 8k and 32k chunks;
+#    then xla's diagonal at 32k with llama_1b's 1,024-position tiles (the planner's xla rows were
+#    measured with 512, and llama_1b's xla step ran ~1.9x faster than they predict);
 # 3. train.py, configs/llama_1b.py at 32k tokens on one GPU, kernel cudnn then pallas_gpu,
 #    model.remat=auto: tokens/s and MFU per logged step (xla's numbers are known: not rerun);
 # 4. scripts/profile_step.py on that llama_1b step (kernel auto): where its time goes.
@@ -34,6 +36,7 @@ unset XLA_FLAGS
 if [ "$REHEARSE" = 1 ]; then
   export JAX_PLATFORMS=cpu STRIPEDJAX_PALLAS_INTERPRET=1
   CHUNKS=128 HEADS=2 HEAD_DIM=32 BLOCK=32 REPEATS=1 TEST_LIMIT=300  # interpret mode is slow
+  XLA_CHUNK=128 XLA_BLOCK=64
   SEQ=256 MODEL="--config.model.num_layers=2 --config.model.d_model=128 --config.model.ffn_dim=256
     --config.model.num_heads=4 --config.model.num_kv_heads=4 --config.model.vocab_size=512
     --config.model.mlp_chunk=0 --config.attention.block_q=64 --config.attention.block_kv=64
@@ -41,6 +44,7 @@ if [ "$REHEARSE" = 1 ]; then
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} STRIPEDJAX_PALLAS_INTERPRET=0
   CHUNKS=8192,32768 HEADS=16 HEAD_DIM=128 BLOCK=0 REPEATS=5 TEST_LIMIT=90
+  XLA_CHUNK=32768 XLA_BLOCK=1024
   SEQ=32768 MODEL=""
 fi
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -74,6 +78,11 @@ timeout -k 10 95 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --
   --block $BLOCK --repeats $REPEATS --kernels pallas,cudnn,cudnn_bare --cases diagonal,striped,full \
   --json "$OUT_DIR/bench_kernels.json" > "$OUT_DIR/bench_kernels.log" 2>&1 || status=1
 tail -30 "$OUT_DIR/bench_kernels.log"
+stage "2b. xla, diagonal at $XLA_CHUNK with $XLA_BLOCK-position tiles (llama_1b's)"
+timeout -k 10 15 $PY scripts/bench_kernels.py --chunks $XLA_CHUNK --heads $HEADS --head-dim $HEAD_DIM \
+  --repeats 3 --kernels xla --xla-block $XLA_BLOCK --cases diagonal \
+  --json "$OUT_DIR/bench_xla_tiles.json" > "$OUT_DIR/bench_xla_tiles.log" 2>&1 || status=1
+tail -4 "$OUT_DIR/bench_xla_tiles.log"
 
 stage "3. llama_1b at $SEQ tokens on one GPU, cudnn then pallas_gpu, remat auto"
 # Rows of one document each (stdlib files joined into ~100k-token documents), so every step

@@ -503,3 +503,25 @@ def test_train_with_the_pallas_kernel_matches_xla(tmp_path):
     assert "kernel pallas_gpu (Pallas interpret mode" in proc.stdout + proc.stderr
     assert len(losses(xla_dir)) == 2
     np.testing.assert_allclose(losses(workdir), losses(xla_dir), rtol=1e-5)
+
+
+def test_device_check_stage_limits_fit_its_eight_minutes():
+    """scripts/device_check.sh's stage limits on a GPU (its non-rehearsal settings) add up to
+    what its header and docs/kernels.md say, within the 8 minutes a lent GPU gives it."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "scripts" / "device_check.sh").read_text()
+    gpu = dict(re.findall(r"(\w+)=(\S+)", re.search(r"^else\n(.*?)^fi", text, re.M | re.S)[1]))
+    def limits(script):  # a stage inside a loop counts once per item
+        loop = re.search(r"^for \w+ in ([^;]+); do\n(.*?)^done", script, re.M | re.S)
+        if loop:
+            inner = limits(loop[2]) * len(loop[1].split())
+            return limits(script[:loop.start()]) + inner + limits(script[loop.end():])
+        return [int(gpu.get(x.lstrip("$"), x)) for x in re.findall(r"timeout -k \d+ (\S+)", script)]
+    said = re.search(r"add up to (\d) min (\d+) s", text)
+    total = int(said[1]) * 60 + int(said[2])
+    got = limits(text)
+    assert len(got) == 7 and sum(got) == total <= 8 * 60, (got, said[0])
+    assert f"add up to {said[1]} min {said[2]} s" in " ".join(
+        (root / "docs" / "kernels.md").read_text().split())
