@@ -98,15 +98,14 @@ class Rates:
         return (FWD_BWD_FLOPS - 1) / (FWD_BWD_FLOPS / fb - 1 / f) * 1e12
 
 
-def xla_tile_of(path: str) -> int | None:
-    """The xla tile of a bench_kernels.py JSON's xla rows (512, its default, before it said)."""
-    rows = [r for r in json.loads(pathlib.Path(path).read_text())["rows"] if r["kernel"] == "xla"]
-    return int(rows[0].get("xla_block", 512)) if rows else None
+def xla_tile_of(rows: list) -> int | None:
+    """The xla tile of bench_kernels.py's xla rows (512, its default, before rows said)."""
+    xla = [r for r in rows if r["kernel"] == "xla"]
+    return int(xla[0].get("xla_block", 512)) if xla else None
 
 
-def from_bench_json(path: str, kernel: str) -> dict:
+def from_bench_rows(rows: list, kernel: str) -> dict:
     """bench_kernels.py's ``--json`` rows of ``kernel``: case -> {chunk: (fwd, fwd+bwd)}."""
-    rows = json.loads(pathlib.Path(path).read_text())["rows"]
     table = {}
     for r in rows:
         if r["kernel"] == kernel:
@@ -124,8 +123,9 @@ def load(spec: str, kernel: str, matmul_efficiency: float = MATMUL_EFFICIENCY) -
         xla_tile = BUILT_IN_XLA_TILE[spec]
     else:
         try:
-            rows = {k: from_bench_json(spec, k) for k in (kernel, "cudnn_bare")}
-            xla_tile = xla_tile_of(spec)
+            bench = json.loads(pathlib.Path(spec).read_text())["rows"]
+            rows = {k: from_bench_rows(bench, k) for k in (kernel, "cudnn_bare")}
+            xla_tile = xla_tile_of(bench)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"--kernel-rates {spec}: not a built-in table ({', '.join(BUILT_IN)}) "
                              f"nor a readable scripts/bench_kernels.py JSON ({e})") from None
