@@ -19,8 +19,10 @@ NEXT_SKIP := --ignore=tests/test_rope.py --ignore=tests/test_window_hf.py --igno
 # most tests wait on one-threaded XLA compiles or on their subprocesses, so on two cores three keep
 # both busy (767 tests on one tree: 13 min 42 s with two, 12 min 20 s with three). TEST_WORKERS=0: one process.
 PYTEST := -m pytest -q -n $(or $(TEST_WORKERS),3) --dist loadfile
+# More pytest arguments for any test target (.ci/run: --durations=15).
+PYTEST_ARGS ?=
 
-.PHONY: demo test test-next bench install clean device-wheels
+.PHONY: demo test test-quick test-next deps deps-next yardstick bench install clean device-wheels
 
 $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,8 +47,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python train.py --config configs/tiny.py
 
-test: $(STAMP) $(TFDS_STAMP) $(TEST_STAMP) $(EVAL_STAMP)
-	$(BIN)/python $(PYTEST) tests
+deps: $(STAMP) $(TFDS_STAMP) $(TEST_STAMP) $(EVAL_STAMP)
+
+test: deps
+	$(BIN)/python $(PYTEST) $(PYTEST_ARGS) tests
+
+# The unit tests alone (no processes, end-to-end runs, trained models or Pallas interpret mode;
+# tests/tiers.py): the tier to run while changing code; `make test` before a change lands.
+test-quick: deps
+	$(BIN)/python $(PYTEST) --tier quick $(PYTEST_ARGS) tests
+
+# How fast this machine is, for reading the suite's times: a cache-hit tiny train.py run
+# (scripts/yardstick.sh).
+yardstick: $(STAMP)
+	bash scripts/yardstick.sh $(BIN)/python
 
 $(NEXT_STAMP): requirements-next.txt
 	test -x $(VENV_NEXT)/bin/python || $(PY_NEXT) -m venv $(VENV_NEXT)
@@ -54,9 +68,12 @@ $(NEXT_STAMP): requirements-next.txt
 	$(VENV_NEXT)/bin/python -m pip install -q -r requirements-next.txt
 	touch $(NEXT_STAMP)
 
-# The suite on the newest JAX (requirements-next.txt), less what needs torch or TensorFlow.
-test-next: $(NEXT_STAMP)
-	$(VENV_NEXT)/bin/python $(PYTEST) $(NEXT_SKIP) tests
+deps-next: $(NEXT_STAMP)
+
+# The newest JAX (requirements-next.txt) on what depends on JAX's version (tests/tiers.py NEXT),
+# less what needs torch or TensorFlow.
+test-next: deps-next
+	$(VENV_NEXT)/bin/python $(PYTEST) --tier next $(NEXT_SKIP) $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) $(VENV_NEXT) runs .pytest_cache

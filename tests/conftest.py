@@ -36,3 +36,91 @@ def rng():
     seed = int(os.environ.get("STRIPEDJAX_SEED") or np.random.SeedSequence().entropy)
     print(f"numpy seed {seed}")  # shown by pytest when the test fails
     return np.random.default_rng(seed)
+
+
+
+# ----------------------------------------------------------------------------- tiers
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("all", "quick", "next"), default="all",
+                     help="quick: all but tests/tiers.py's SLOW; next: only its NEXT")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of `make test-quick` (tests/tiers.py SLOW)")
+    config.addinivalue_line("markers", "next: the JAX-version surface `make test-next` runs "
+                                       "(tests/tiers.py NEXT)")
+
+
+def _entry_of(nodeid: str, table) -> str | None:
+    """The entry of ``table`` that covers a test id (``tests/`` left off), if any."""
+    test = nodeid.split("tests/", 1)[-1]
+    for entry in table:
+        if test == entry or test.startswith(entry + "::") or test.startswith(entry + "["):
+            return entry
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    import tiers
+    used = set()
+    for item in items:
+        for name, table in (("slow", tiers.SLOW), ("next", tiers.NEXT)):
+            entry = _entry_of(item.nodeid, table)
+            if entry is not None:
+                item.add_marker(name)
+                used.add((name, entry))
+    # A whole-directory collection sees every test of the files it collects: an entry whose
+    # file is missing, or collected without the test it names, is stale.
+    if all(os.path.isdir(arg.split("::")[0]) for arg in config.args):
+        here = os.path.dirname(os.path.abspath(__file__))
+        files = {item.nodeid.split("::")[0].split("/")[-1] for item in items}
+        stale = [f"{name.upper()}: {entry}" for name, table in (("slow", tiers.SLOW),
+                 ("next", tiers.NEXT)) for entry in table if (name, entry) not in used
+                 and (entry.split("::")[0] in files
+                      or not os.path.exists(os.path.join(here, entry.split("::")[0])))]
+        if stale:
+            raise pytest.UsageError("tests/tiers.py names tests that do not exist: "
+                                    + "; ".join(stale))
+    tier = config.getoption("tier")
+    if tier == "all":
+        return
+    keep = (lambda item: not item.get_closest_marker("slow")) if tier == "quick" else \
+        (lambda item: item.get_closest_marker("next") is not None)
+    config.hook.pytest_deselected(items=[item for item in items if not keep(item)])
+    items[:] = [item for item in items if keep(item)]
+
+
+@pytest.fixture(autouse=True)
+def _quick_tier_starts_no_process(request, monkeypatch):
+    """In the quick tier a test that starts a process fails: it belongs in tests/tiers.py SLOW."""
+    if request.config.getoption("tier") != "quick":
+        return
+    import subprocess
+
+    def refuse(self, args, *a, **kw):
+        raise AssertionError(f"{request.node.nodeid} starts a process ({args!r}): list it in "
+                             "tests/tiers.py SLOW")
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+# Per-test CPU seconds (this process's threads, XLA's compile threads included, and the
+# subprocesses it waited for) as JSON lines in $STRIPEDJAX_TEST_CPU: unlike wall durations they
+# do not depend on what else shares the two cores (scripts/test_times.py sums them per file).
+if os.environ.get("STRIPEDJAX_TEST_CPU"):
+    import json
+    import resource
+    import time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        def cpu():
+            s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
+        (s0, c0), w0 = cpu(), time.monotonic()
+        yield
+        (s1, c1), w1 = cpu(), time.monotonic()
+        with open(os.environ["STRIPEDJAX_TEST_CPU"], "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "self": round(s1 - s0, 2),
+                                "children": round(c1 - c0, 2), "wall": round(w1 - w0, 2)}) + "\n")
