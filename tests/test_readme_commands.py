@@ -4,7 +4,9 @@ skipped with a reason. Every relative link in those pages points at a file that 
 heading that exists, for links into a page), and the README stays a front page.
 
 Run as a new user would on a CPU: a subprocess from the repository root, without XLA_FLAGS or
-JAX_PLATFORMS, checking the exit code and the output."""
+JAX_PLATFORMS, checking the exit code and the output. The commands of a script that keeps no
+state between runs (SHARED: the planner without compiling, the schedule model, the corpus
+writer, the GPU compile report) share one such process, each run as the script's __main__."""
 import os
 import pathlib
 import re
@@ -136,6 +138,26 @@ def test_the_readme_is_a_front_page():
 
 
 RUN = [e for e in listed_commands() if "skip" not in e]
+# Scripts whose printed commands share one process: tests/run_commands.py runs them in order,
+# each as __main__ with its own sys.argv, as the user's shell would less the interpreter's
+# start-up. They keep no state from one run to the next and size no devices (plan.py does when
+# it compiles: its compiling commands keep a process of their own).
+SHARED = ("scripts/plan.py", "scripts/schedule.py", "scripts/make_passkey_corpus.py",
+          "scripts/gpu_compile.py")
+
+
+def argv_of(entry, tmp) -> list[str]:
+    text = entry.get("as") or f"{entry['command']} {entry.get('with', '')}"
+    argv = shlex.split(text.replace("{tmp}", str(tmp)))
+    assert argv[0] == "python", text
+    return argv[1:]
+
+
+def shared_script(argv) -> str | None:
+    script = argv[0]
+    if script in SHARED and (script != "scripts/plan.py" or "--no-compile" in argv):
+        return script
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -143,15 +165,39 @@ def shared_tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("readme")
 
 
+def user_env() -> dict:
+    """A new user's shell on a CPU: no XLA_FLAGS or JAX_PLATFORMS."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+
+_SHARED_RESULTS: dict[int, tuple[int, str]] = {}
+
+
+def run_shared(script, tmp) -> None:
+    """Every command of ``script`` in one process, once, at its first command's turn."""
+    import json
+    entries = [e for e in RUN if shared_script(argv_of(e, tmp)) == script]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "run_commands.py"),
+                           json.dumps([argv_of(e, tmp) for e in entries])], cwd=ROOT,
+                          env=user_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for e, r in zip(entries, json.loads(proc.stdout.splitlines()[-1])):
+        _SHARED_RESULTS[e["line"]] = r["returncode"], r["output"]
+
+
 @pytest.mark.parametrize("entry", RUN, ids=[f"line{e['line']}" for e in RUN])
 def test_printed_command_runs(entry, shared_tmp):
-    text = entry.get("as") or f"{entry['command']} {entry.get('with', '')}"
-    argv = shlex.split(text.replace("{tmp}", str(shared_tmp)))
-    assert argv[0] == "python"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{text}\nexit {proc.returncode}\n{out[-3000:]}"
+    argv = argv_of(entry, shared_tmp)
+    text = " ".join(["python", *argv])
+    script = shared_script(argv)
+    if script:
+        if entry["line"] not in _SHARED_RESULTS:
+            run_shared(script, shared_tmp)
+        code, out = _SHARED_RESULTS[entry["line"]]
+    else:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=user_env(),
+                              capture_output=True, text=True, timeout=600)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    assert code == 0, f"{text}\nexit {code}\n{out[-3000:]}"
     for want in entry["expect"]:
         assert want.replace("{tmp}", str(shared_tmp)) in out, f"{text}\nno {want!r} in:\n{out[-3000:]}"
