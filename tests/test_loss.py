@@ -1,17 +1,16 @@
-"""The chunked loss equals the full-logits cross-entropy, values and gradients, and the chunked
-step never holds the whole logits."""
+"""The chunked loss equals the full-logits cross-entropy in float64, values and gradients, on
+every mesh split (the whole decoder's chunked loss and MLP against the full logits:
+tests/test_state.py::test_sharded_step_equals_single_device_step; that the chunked step never
+holds the whole logits: tests/test_plan.py::test_chunked_loss_and_microbatches_lower_the_compiled_memory)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from model.chunks import num_chunks
 from model.loss import chunked_token_losses
 from parallel.mesh import make_mesh
-from test_state import config as tiny_config, natural_batch
-from training.state import Trainer
 
 
 def rms(x, scale):
@@ -64,32 +63,3 @@ def test_chunked_equals_full_in_float64(mesh, chunk):
         assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want))
         for g, w in zip(got_g, want_g):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-13)
-
-
-def test_trainer_loss_matches_the_full_logits():
-    """The decoder's chunked token losses and chunked MLP (ring attention, striped, 8 devices)
-    equal the cross-entropy of the unchunked decoder's full logits, loss and gradients."""
-    mesh_sizes = {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}  # vocab 101: padded over tensor
-    rng = np.random.default_rng()
-    batch_np = natural_batch(rng, 4, 64, 101)
-    seed = int(rng.integers(0, 2**31))
-    trainers = []
-    for loss_chunk, mlp_chunk in ((3, 5), (0, 0)):  # 32-token slices: 11 and 7 chunks, padded
-        c = tiny_config("ring", "striped", mesh_sizes)
-        c.train.loss_chunk, c.model.mlp_chunk = loss_chunk, mlp_chunk
-        trainers.append(Trainer(c, make_mesh(c.mesh)))
-    chunked, ref = trainers
-    batch = {k: jax.device_put(v, ref.batch_shardings[k]) for k, v in batch_np.items()}
-    params = ref.init(seed).params
-
-    def full(params, batch):
-        logits = nnx.merge(ref.graphdef, params)(batch["tokens"], batch["positions"],
-                                                 batch["segment_ids"])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-        return (ce * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-
-    got, got_g = jax.jit(jax.value_and_grad(lambda p, b: chunked.loss(p, b)[0]))(params, batch)
-    want, want_g = jax.jit(jax.value_and_grad(full))(params, batch)
-    assert abs(float(got) - float(want)) < 1e-6 * abs(float(want))
-    for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-        assert np.abs(np.asarray(g) - np.asarray(w)).max() <= 1e-5 * np.abs(np.asarray(w)).max()

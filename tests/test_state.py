@@ -1,4 +1,5 @@
-"""The sharded loss and gradients equal the single-device ones (dense, natural order)."""
+"""The sharded loss and gradients equal the single-device ones (dense, natural order, the whole
+logits); with the chunked loss and MLP too; k microbatches equal one batch; bf16 tracks fp32."""
 import jax
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from parallel.mesh import make_mesh
 from training.state import Trainer
 
 
-def config(impl, layout, mesh):
+def config(impl, layout, mesh, chunks=(0, 0)):
+    """``chunks``: (train.loss_chunk, model.mlp_chunk)."""
     c = tiny.get_config()
     # With Qwen2's q/k/v biases: their gradients too, split over tensor with their heads.
     c.model.update(vocab_size=101, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -17,7 +19,8 @@ def config(impl, layout, mesh):
     c.attention.update(impl=impl, layout=layout, block_q=16, block_kv=16)
     c.mesh.update(mesh)
     c.data.update(seq_len=64, batch_size=4)
-    c.train.update(steps=10, warmup_steps=0, lr=1e-2)
+    c.train.update(steps=10, warmup_steps=0, lr=1e-2, loss_chunk=chunks[0])
+    c.model.mlp_chunk = chunks[1]
     return c
 
 
@@ -36,19 +39,20 @@ def natural_batch(rng, B, L, vocab):
 _COMPILED = {}
 
 
-def loss_and_grad(impl, layout, mesh, devices):
-    """(trainer, jitted loss and gradients) of ``config(impl, layout, mesh)``, made once per
-    session: the single-device reference serves every parametrization."""
-    key = (impl, layout, tuple(sorted(mesh.items())), len(devices))
+def loss_and_grad(impl, layout, mesh, devices, chunks=(0, 0)):
+    """(trainer, jitted loss and gradients) of ``config(impl, layout, mesh, chunks)``, made once
+    per session: the single-device reference serves every parametrization, and the ring's step
+    is test_microbatches_equal_the_single_batch_step's one batch."""
+    key = (impl, layout, tuple(sorted(mesh.items())), len(devices), chunks)
     if key not in _COMPILED:
-        c = config(impl, layout, mesh)
+        c = config(impl, layout, mesh, chunks)
         trainer = Trainer(c, make_mesh(c.mesh, devices))
         _COMPILED[key] = trainer, jax.jit(jax.value_and_grad(trainer.loss, has_aux=True))
     return _COMPILED[key]
 
 
-def run_step(impl, layout, mesh, devices, batch_np, seed):
-    trainer, step = loss_and_grad(impl, layout, mesh, devices)
+def run_step(impl, layout, mesh, devices, batch_np, seed, chunks=(0, 0)):
+    trainer, step = loss_and_grad(impl, layout, mesh, devices, chunks)
     c = trainer.config
     perm = permutation(c.attention.layout, c.data.seq_len, trainer.mesh.shape["sequence"],
                        c.attention.stripe)
@@ -58,17 +62,27 @@ def run_step(impl, layout, mesh, devices, batch_np, seed):
     return float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("impl,layout,mesh", [
-    ("dense", "contiguous", {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}),
-    ("ring", "striped", {"data": 2, "fsdp": 1, "sequence": 2, "tensor": 2}),
+RING = {"data": 2, "fsdp": 1, "sequence": 2, "tensor": 2}
+# The ring's chunked loss and MLP: 32-token slices per sequence shard make 11 loss chunks of 3
+# and 7 MLP chunks of 5, the last of each padded; the vocabulary (101) is padded over tensor=2.
+RING_CHUNKS = (3, 5)
+
+
+@pytest.mark.parametrize("impl,layout,mesh,chunks", [
+    ("dense", "contiguous", {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, (0, 0)),
+    ("ring", "striped", RING, RING_CHUNKS),
 ])
-def test_sharded_step_equals_single_device_step(impl, layout, mesh):
+def test_sharded_step_equals_single_device_step(impl, layout, mesh, chunks):
+    """Loss and every gradient against one device's dense, unchunked step on the same natural
+    batch: the reference computes the whole [B, L, V] logits, so the ring's chunked loss and MLP
+    (model/loss.py, model/chunks.py; float64 exactness of the loss alone: test_loss.py) are
+    checked through the whole decoder, sharded over every mesh axis."""
     rng = np.random.default_rng()
     seed = int(rng.integers(0, 2**31))
     batch = natural_batch(rng, 4, 64, 101)
     one = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
     ref_loss, ref_grads = run_step("dense", "contiguous", one, jax.devices()[:1], batch, seed)
-    loss, grads = run_step(impl, layout, mesh, jax.devices(), batch, seed)
+    loss, grads = run_step(impl, layout, mesh, jax.devices(), batch, seed, chunks)
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     assert np.abs(grads["blocks"]["attn"]["bk"]).max() > 0
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -77,29 +91,30 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh):
 
 def test_microbatches_equal_the_single_batch_step():
     """k sequential microbatches give the one-batch loss (token-weighted: rows carry different
-    numbers of unmasked tokens) and gradients, and the step reports them."""
-    k, mesh = 4, {"data": 2, "fsdp": 1, "sequence": 2, "tensor": 2}
+    numbers of unmasked tokens) and gradients, and the step reports them. The one batch is
+    test_sharded_step_equals_single_device_step's ring step (compiled once for both)."""
+    k = 2
     rng = np.random.default_rng()
     seed = int(rng.integers(0, 2**31))
-    batch_np = natural_batch(rng, 8, 64, 101)
-    batch_np["loss_mask"][3] = 0  # an all-padding row
-    batch_np["loss_mask"][5, 20:] = 0  # and a short one
-    results = []
-    for micro in (1, k):
-        c = config("ring", "striped", mesh)
-        c.data.batch_size = 8
-        c.train.microbatches = micro
-        trainer = Trainer(c, make_mesh(c.mesh))
-        batch = {key: jax.device_put(v, trainer.batch_shardings[key]) for key, v in batch_np.items()}
-        state = trainer.init(seed)
-        loss, count, grads = jax.jit(trainer.gradients)(state.params, batch)
-        results.append((float(loss), float(count), jax.device_get(grads)))
-    (loss1, count1, g1), (lossk, countk, gk) = results
-    assert count1 == countk == batch_np["loss_mask"].sum()
+    batch_np = natural_batch(rng, 4, 64, 101)
+    batch_np["loss_mask"][1] = 0  # an all-padding row
+    batch_np["loss_mask"][2, 20:] = 0  # and a short one
+    ref, ref_step = loss_and_grad("ring", "striped", RING, jax.devices(), RING_CHUNKS)
+    batch = {key: jax.device_put(v, ref.batch_shardings[key]) for key, v in batch_np.items()}
+    state = ref.init(seed)
+    (loss1, count1), g1 = jax.device_get(ref_step(state.params, batch))
+    c = config("ring", "striped", RING, RING_CHUNKS)
+    c.train.microbatches = k
+    trainer = Trainer(c, make_mesh(c.mesh))
+    # One program for the k-microbatch gradients and the step's metrics (XLA computes the
+    # gradients once for both).
+    both = jax.jit(lambda state, batch: (trainer.gradients(state.params, batch),
+                                         trainer._train_step(state, batch)[1]))
+    (lossk, countk, gk), metrics = jax.device_get(both(state, batch))
+    assert float(count1) == float(countk) == batch_np["loss_mask"].sum()
     assert abs(lossk - loss1) < 2e-6 * abs(loss1)
     for got, want in zip(jax.tree.leaves(gk), jax.tree.leaves(g1)):
         assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
-    _, metrics = trainer.train_step(state, batch)  # the k-microbatch step
     norm1 = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in jax.tree.leaves(g1)))
     assert abs(float(metrics["loss"]) - loss1) < 2e-6 * abs(loss1)
     assert abs(float(metrics["grad_norm"]) - norm1) < 1e-5 * norm1
