@@ -55,7 +55,6 @@ SLOW = {
     "test_eval_passkey.py::test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_not":
         "600+ training steps",
     "test_state.py": "train steps on several meshes, microbatches, 12 bf16 steps",
-    "test_loss.py::test_trainer_loss_matches_the_full_logits": "two decoders' gradients",
     "test_plan.py::test_chunked_loss_and_microbatches_lower_the_compiled_memory": "4 train steps compiled",
     "test_remat.py::test_less_recompute_needs_more_memory": "3 train steps compiled",
     "test_profile.py::test_profile_of_a_cpu_step_adds_up_to_the_step": "a traced train step",
