@@ -207,8 +207,10 @@ def test_stop_on_signal_records_then_hands_over_and_restores_handlers():
 def test_stop_on_signal_test_holds_when_started_with_sigint_ignored():
     """As in `bash -c 'make test &'`: a background job of a shell starts with SIGINT ignored."""
     test = f"{__file__}::test_stop_on_signal_records_then_hands_over_and_restores_handlers"
+    # Without the plugins this one test does not use (xdist, hypothesis): a second less.
     proc = subprocess.run(["bash", "-c", '"$@" & wait $!', "bash", sys.executable, "-m", "pytest",
-                           "-q", "-p", "no:cacheprovider", test],
+                           "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p",
+                           "no:hypothesispytest", test],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
 

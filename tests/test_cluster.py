@@ -226,27 +226,29 @@ SMALL = TWO_PROCESS_TINY
 env = launcher_env
 
 
-def launch(tmp, as_cluster=None, workdir=None):
-    cmd = [sys.executable, "scripts/launch_local.py", "--processes", "2",
-           *(["--as", as_cluster] if as_cluster else []), "--",
-           "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir or tmp / "run"),
-           f"--config.data.cache_dir={ROOT}/.cache/data", *SMALL]
+def launch(tmp, as_cluster):
+    """Two processes of train.py; one layer: its program compiles in about two thirds of the
+    time of two (a scan of length 1), and nothing here depends on depth."""
+    cmd = [sys.executable, "scripts/launch_local.py", "--processes", "2", "--as", as_cluster,
+           "--", "train.py", "--config", "configs/tiny.py", "--workdir", str(tmp / "run"),
+           f"--config.data.cache_dir={ROOT}/.cache/data", *SMALL, "--config.model.num_layers=1"]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def flagged(tmp_path_factory):
-    """The 2-process run launched with --coordinator/--num_processes/--process_id flags."""
-    tmp = tmp_path_factory.mktemp("flagged")
-    return tmp, launch(tmp)
+def launched(tmp_path_factory):
+    """The 2-process run (a ring of 2 over gloo) launched with only the variables srun sets:
+    scripts/launch_local.py --as slurm."""
+    tmp = tmp_path_factory.mktemp("slurm")
+    return tmp, launch(tmp, "slurm")
 
 
 def records(workdir):
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_process_launcher_trains_and_processes_agree(flagged):
-    tmp, proc = flagged
+def test_two_process_launcher_trains_and_processes_agree(launched):
+    tmp, proc = launched
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finals = dict(re.findall(r"\[p(\d)\] process \d/2: final loss ([0-9.]+)", proc.stdout))
     assert set(finals) == {"0", "1"}, proc.stdout[-3000:]
@@ -255,28 +257,63 @@ def test_two_process_launcher_trains_and_processes_agree(flagged):
     assert f"{records(tmp / 'run')[-1]['loss']:.6f}" == finals["0"]
 
 
-@pytest.mark.parametrize("as_cluster,startup", [
-    ("slurm", r"SLURM: coordinator localhost:\d+ \(SLURM_STEP_NODELIST, port SLURM_JOB_ID % 4096 "
-              r"\+ 61440\), process {i} of 2 \(SLURM_PROCID, SLURM_NTASKS\), task {i} of 2 on this "
-              r"host; 1 local cpu device"),
-    ("openmpi", r"Open MPI: coordinator 127.0.0.1:\d+ \(OMPI_MCA_orte_hnp_uri, port jobid / 4096 "
-                r"% 4096 \+ 61440\), process {i} of 2 \(OMPI_COMM_WORLD_RANK, "
-                r"OMPI_COMM_WORLD_SIZE\), task {i} of 2 on this host; 1 local cpu device"),
-    ("k8s", r"Kubernetes: coordinator 127.0.0.1:\d+ \(JAX_COORDINATOR_ADDRESS\), process {i} of 2 "
-            r"\(JOB_COMPLETION_INDEX, JAX_NUM_PROCESSES\); 1 local cpu device"),
-])
-def test_a_cluster_launch_needs_no_flags_and_trains_as_one_run(tmp_path, flagged, as_cluster,
-                                                                startup):
-    """Only the variables srun / mpirun / an Indexed Job set: the same run as the flagged one
-    (the same losses), one metrics.jsonl, both processes' logs, a startup line each."""
-    proc = launch(tmp_path, as_cluster)
+STARTUP = {
+    "slurm": r"SLURM: coordinator localhost:{port} \(SLURM_STEP_NODELIST, port SLURM_JOB_ID % 4096 "
+             r"\+ 61440\), process {i} of 2 \(SLURM_PROCID, SLURM_NTASKS\), task {i} of 2 on this "
+             r"host",
+    "openmpi": r"Open MPI: coordinator 127.0.0.1:{port} \(OMPI_MCA_orte_hnp_uri, port jobid / 4096 "
+               r"% 4096 \+ 61440\), process {i} of 2 \(OMPI_COMM_WORLD_RANK, "
+               r"OMPI_COMM_WORLD_SIZE\), task {i} of 2 on this host",
+    "k8s": r"Kubernetes: coordinator 127.0.0.1:{port} \(JAX_COORDINATOR_ADDRESS\), process {i} "
+           r"of 2 \(JOB_COMPLETION_INDEX, JAX_NUM_PROCESSES\)",
+}
+
+
+@pytest.mark.parametrize("as_cluster", ["slurm", "openmpi", "k8s"])
+def test_a_cluster_launch_needs_no_flags_and_trains_as_one_run(as_cluster, monkeypatch, request):
+    """Only the variables srun / mpirun / an Indexed Job set (scripts/launch_local.py --as):
+    train.py's entry (place_or_exit) gives each process the place the flags the launcher gives
+    otherwise would (--coordinator 127.0.0.1:PORT --num_processes 2 --process_id i), so
+    jax.distributed starts the same run (the same initialize call; test_multiprocess.py trains
+    it with those flags), and the startup line says where each place came from. The SLURM launch
+    runs end to end: one metrics.jsonl (test_two_process_launcher_*), both processes' startup
+    lines, logs and exit codes."""
+    import socket
+
+    import jax
+
+    from configs import tiny
+    from parallel.cluster import PORT_BASE, place_or_exit
+    from parallel.distributed import cluster_env, free_port, initialize
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(jax.config, "update", lambda *a, **kw: None)  # the gloo setting
+    port = free_port(PORT_BASE, 65535)
+    clean = {k: v for k, v in os.environ.items() if k not in ("JOB_COMPLETION_INDEX", "HOSTNAME")
+             and not k.startswith(("SLURM_", "OMPI_", "JAX_", "TPU_"))}
+    for i in (0, 1):
+        with mock.patch.dict(os.environ, {**clean, "JAX_PLATFORMS": "cpu",
+                                          **cluster_env(as_cluster, i, 2, port)}, clear=True):
+            place = place_or_exit(distributed=tiny.get_config().distributed)
+        flagged = resolve(f"127.0.0.1:{port}", 2, i, environ={})
+        assert re.fullmatch(STARTUP[as_cluster].format(i=i, port=port), place.describe())
+        line = initialize(place)
+        assert line.startswith(place.describe() + f"; {len(jax.local_devices())} local cpu")
+        initialize(flagged)
+        (got, got_kw), (want, want_kw) = calls[-2:]
+        host, _, got_port = got[0].rpartition(":")
+        assert (socket.gethostbyname(host), got_port) == ("127.0.0.1", str(port))
+        assert got[1:] == () and want == (f"127.0.0.1:{port}",) and got_kw == want_kw, calls
+        assert (got_kw["num_processes"], got_kw["process_id"]) == (2, i)
+    if as_cluster != "slurm":
+        return
+    tmp, proc = request.getfixturevalue("launched")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for i in (0, 1):
-        assert re.search(rf"\[p{i}\] {startup.format(i=i)}", proc.stdout), proc.stdout[-3000:]
-    assert records(tmp_path / "run") == [
-        {**r, "tokens_per_s": mine["tokens_per_s"], "mfu": mine["mfu"]}
-        for r, mine in zip(records(flagged[0] / "run"), records(tmp_path / "run"))]
-    logs = tmp_path / "run" / "logs"
+        startup = STARTUP["slurm"].format(i=i, port=r"\d+")
+        assert re.search(rf"\[p{i}\] {startup}; 1 local cpu device", proc.stdout), \
+            proc.stdout[-3000:]
+    logs = tmp / "run" / "logs"
     assert sorted(p.name for p in logs.iterdir()) == [
         "process0.exit", "process0.log", "process1.exit", "process1.log"]
     assert [(logs / f"process{i}.exit").read_text() for i in (0, 1)] == ["0\n", "0\n"]
@@ -321,11 +358,10 @@ def test_one_run_per_run_directory_and_a_dead_run_leaves_no_lock(tmp_path):
         rf"another --workdir\n", second.stderr), second.stderr
     first.send_signal(signal.SIGKILL)
     first.wait()
-    # The killed run's lock went with it: a restart gets past it (to this config's own error).
-    third = subprocess.run([*base, "--config.attention.layout=spiral"], cwd=ROOT, env=env(),
-                           capture_output=True, text=True, timeout=120)
-    assert third.returncode == 2 and "attention.layout='spiral' is not one of" in third.stderr, \
-        third.stderr
+    # The killed run's lock went with it: a restart takes it (train.py's own hold_or_exit).
+    from training.run_lock import hold_or_exit
+    with hold_or_exit(workdir, 0):
+        assert lock.read_text().startswith(f"pid {os.getpid()} ")
 
 
 def test_an_evaluation_script_launched_as_several_processes_stops_in_one_line(tmp_path):

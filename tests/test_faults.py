@@ -1,5 +1,9 @@
-"""Faults a long run meets, met as a user meets them: train.py in a subprocess, its exit code,
-its one line, and what it leaves on disk (docs/reliability.md's table points here).
+"""Faults a long run meets, met as a user meets them: train.py, its exit code, its one line,
+and what it leaves on disk (docs/reliability.md's table points here). The run that needs a
+process of its own (a disk that fills up, in a mount namespace) is a train.py subprocess; the
+others run train.py's entry after its flags (training/entry.py's main_with_errors: the exit code
+and the lines train.py prints) in this process (tests/trained_run.py's entry), which spares each
+a Python and JAX start.
 
 Divergence never poisons a checkpoint and a diverged run resumes; a full disk keeps the last
 good checkpoint; a bad record names its file and line. (A dead peer: test_multiprocess.py.)
@@ -14,7 +18,10 @@ import pytest
 
 import trained_run as tr
 
-SANE = {"train.steps": 8, "checkpoint.every": 1}
+# Every run here: one layer (its programs compile in about two thirds of the time of two: a scan
+# of length 1) and no held-out evaluation (no program for it): no fault depends on either.
+ONE_LAYER = {"model.num_layers": 1, "train.eval_batches": 0}
+SANE = {**ONE_LAYER, "train.steps": 8, "checkpoint.every": 1}
 
 
 def errors(out) -> list[str]:
@@ -36,8 +43,8 @@ def diverged():
     """The issue's command: a learning rate that blows up at step 3, a save every step, a log
     every 10 (the old loop noticed only at step 10, after saving NaN checkpoints 3 to 10)."""
     workdir = tr.SESSION / "diverged"
-    out = tr.train(workdir, **{"train.lr": 1e30, "train.steps": 6, "checkpoint.every": 1,
-                               "train.log_every": 10})
+    out = tr.entry(workdir, **ONE_LAYER, **{"train.lr": 1e30, "train.steps": 6,
+                                            "checkpoint.every": 1, "train.log_every": 10})
     return workdir, out
 
 
@@ -45,7 +52,7 @@ def diverged():
 def recovered(diverged):
     """The same run directory rerun with a sane learning rate and rollbacks on."""
     workdir, _ = diverged
-    return workdir, tr.train(workdir, **SANE, **{"train.on_nonfinite": "rollback"})
+    return workdir, tr.entry(workdir, **SANE, **{"train.on_nonfinite": "rollback"})
 
 
 def test_divergence_is_caught_before_a_save_and_names_the_newest_finite_checkpoint(diverged):
@@ -87,7 +94,7 @@ def test_a_resume_after_rollbacks_is_exact(recovered):
     copy = tr.SESSION / "recovered_copy"
     shutil.copytree(workdir, copy)
     shutil.rmtree(copy / "checkpoints" / "8")
-    out = tr.train(copy, **SANE, **{"train.on_nonfinite": "rollback"})
+    out = tr.entry(copy, **SANE, **{"train.on_nonfinite": "rollback"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resuming from step 7 ({copy / 'checkpoints' / '7'})" in out.stdout
     assert tr.metrics(copy)[8]["loss"] == tr.metrics(workdir)[8]["loss"]
@@ -139,36 +146,7 @@ def train_on_small_disk(workdir, size_bytes, **overrides):
         cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True, timeout=240)
 
 
-def test_a_full_disk_stops_in_one_line_and_keeps_the_last_good_checkpoint(recovered):
-    workdir = tr.SESSION / "full_disk"
-    run = {"train.steps": 8, "checkpoint.every": 2}
-    if mount_works():  # room for one checkpoint and a half: the save of step 4 runs out
-        size = sum(f.stat().st_size for f in (recovered[0] / "checkpoints" / "8").rglob("*")
-                   if f.is_file())
-        out = train_on_small_disk(workdir, size * 3 // 2, **run)
-        on_disk = workdir / "on_tmpfs"
-    else:  # no user namespaces here: inject the write error instead
-        out = subprocess.run(
-            [sys.executable, "tests/no_space.py", *tr.train_cmd(workdir, **run)[1:]], cwd=tr.ROOT,
-            env={**tr.env(), "FAIL_SAVES_FROM": "4"}, capture_output=True, text=True, timeout=240)
-        on_disk = workdir / "checkpoints"
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert errors(out) == [
-        f"error: cannot write checkpoint step 4 to {workdir / 'checkpoints' / '4'}: No space left "
-        f"on device; removed the partial write and stopped (newest complete checkpoint: step 2 "
-        f"({workdir / 'checkpoints' / '2'})); free space or fix permissions there (or use "
-        f"another --workdir) and rerun the same command to resume"]
-    assert sorted(p.name for p in on_disk.iterdir()) == ["2"]  # no partial write left
-    assert (on_disk / "2" / "commit_success.txt").is_file()
-    if on_disk != workdir / "checkpoints":
-        shutil.rmtree(workdir / "checkpoints")
-        on_disk.rename(workdir / "checkpoints")
-    out = tr.train(workdir, **run)  # on a disk with room: the same command resumes
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resuming from step 2 ({workdir / 'checkpoints' / '2'})" in out.stdout
-
-
-# -- bad records ------------------------------------------------------------------------------
+# -- a full disk, read from a file with bad records -------------------------------------------
 def corpus(path):
     """Stdlib docstrings as jsonl with one torn line (line 40) and one not UTF-8 (line 70)."""
     import argparse, bisect, csv, difflib, fractions, heapq  # noqa: E401
@@ -179,23 +157,65 @@ def corpus(path):
     path.write_bytes(b"\n".join(lines) + b"\n")
 
 
-def test_a_bad_record_names_its_line_or_is_skipped_and_counted_alike_on_resume(tmp_path):
-    data = tmp_path / "docs.jsonl"
+@pytest.fixture(scope="module")
+def full_disk(recovered):
+    """A run reading a jsonl file with bad records (data.bad_records=skip) whose checkpoints
+    fill their disk at the save of step 4, then the same command on a disk with room. Returns
+    (workdir, the data file, where the checkpoints were written, the two runs)."""
+    workdir = tr.SESSION / "full_disk"
+    data = tr.SESSION / "docs.jsonl"
     corpus(data)
-    run = {"data.source": "jsonl", "data.path": data, "data.cache_dir": tmp_path / "cache",
-           "train.steps": 8, "checkpoint.every": 4}  # the programs of the runs above
-    out = tr.train(tmp_path / "stop", **run)
+    run = {**ONE_LAYER, "train.steps": 8, "checkpoint.every": 2, "data.source": "jsonl",
+           "data.path": str(data),
+           "data.cache_dir": str(tr.SESSION / "jsonl_cache"), "data.bad_records": "skip"}
+    if mount_works():  # room for one checkpoint and a half: the save of step 4 runs out
+        size = sum(f.stat().st_size for f in (recovered[0] / "checkpoints" / "8").rglob("*")
+                   if f.is_file())
+        full = train_on_small_disk(workdir, size * 3 // 2, **run)
+        on_disk = workdir / "on_tmpfs"
+    else:  # no user namespaces here: inject the write error instead
+        full = subprocess.run(
+            [sys.executable, "tests/no_space.py", *tr.train_cmd(workdir, **run)[1:]], cwd=tr.ROOT,
+            env={**tr.env(), "FAIL_SAVES_FROM": "4"}, capture_output=True, text=True, timeout=240)
+        on_disk = workdir / "checkpoints"
+    listed = sorted(p.name for p in on_disk.iterdir())
+    marked = (on_disk / "2" / "commit_success.txt").is_file()
+    if on_disk != workdir / "checkpoints":
+        shutil.rmtree(workdir / "checkpoints")
+        on_disk.rename(workdir / "checkpoints")
+    resumed = tr.entry(workdir, **run)  # on a disk with room: the same command
+    return workdir, data, listed, marked, full, resumed
+
+
+def test_a_full_disk_stops_in_one_line_and_keeps_the_last_good_checkpoint(full_disk):
+    workdir, _, listed, marked, out, resumed = full_disk
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert errors(out) == [
+        f"error: cannot write checkpoint step 4 to {workdir / 'checkpoints' / '4'}: No space left "
+        f"on device; removed the partial write and stopped (newest complete checkpoint: step 2 "
+        f"({workdir / 'checkpoints' / '2'})); free space or fix permissions there (or use "
+        f"another --workdir) and rerun the same command to resume"]
+    assert listed == ["2"] and marked  # no partial write left, the last good one whole
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step 2 ({workdir / 'checkpoints' / '2'})" in resumed.stdout
+    assert sorted(tr.metrics(workdir)) == list(range(1, 9))
+
+
+def test_a_bad_record_names_its_line_or_is_skipped_and_counted_alike_on_resume(full_disk,
+                                                                             tmp_path):
+    """data.bad_records=stop (the default): one line naming the file and line, exit 2. With
+    skip (the full-disk runs above): counted in one line, and the resumed run, which reads the
+    token cache and not the file, says the same."""
+    _, data, _, _, full, resumed = full_disk
+    run = {**ONE_LAYER, "data.source": "jsonl", "data.path": str(data),
+           "data.cache_dir": str(tmp_path), "train.steps": 8}
+    out = tr.entry(tmp_path / "stop", **run)
     assert out.returncode == 2
     assert errors(out) == [f"error: {data} line 40: not JSON (Unterminated string starting at "
                            f"column 10); fix the file or set data.bad_records=skip to pass over "
                            f"such records"]
-    workdir, skip = tmp_path / "skip", {**run, "data.bad_records": "skip"}
     note = (f"data: data.bad_records=skip left out 1 record(s) that are not JSON and replaced "
             f"invalid UTF-8 in 1 (first: {data} line 40: not JSON (Unterminated string starting "
             f"at column 10))")
-    out = tr.train(workdir, **skip)
-    assert out.returncode == 0 and note in out.stdout.splitlines(), out.stdout + out.stderr[-3000:]
-    shutil.rmtree(workdir / "checkpoints" / "8")
-    out = tr.train(workdir, **skip)  # reads the cache, not the file: the same records
-    assert out.returncode == 0 and note in out.stdout.splitlines(), out.stdout + out.stderr[-3000:]
-    assert f"resuming from step 4 ({workdir / 'checkpoints' / '4'})" in out.stdout
+    assert note in full.stdout.splitlines(), full.stdout + full.stderr[-3000:]
+    assert note in resumed.stdout.splitlines(), resumed.stdout + resumed.stderr[-3000:]

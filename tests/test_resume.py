@@ -1,7 +1,13 @@
 """Stopping and resuming real runs: SIGTERM saves and exits 0, a resumed run continues bit for
 bit, broken checkpoints are skipped with a message, a changed model or tokenizer stops with one
 line, restore_from takes another run's weights or whole state, and a checkpoint restores onto
-another mesh and layout."""
+another mesh and layout.
+
+The reference run and the run stopped by a real SIGTERM are train.py processes; the other runs
+go through train.py's entry after its flags in this process (tests/trained_run.py's entry: the
+same run, exit code and lines, without a Python and JAX start each). Every run uses the
+reference's training program (its 40-step schedule), so none compiles one of its own."""
+import functools
 import json
 import os
 import re
@@ -77,9 +83,15 @@ def stopped_step(output: str) -> int:
     return int(m.group(1))
 
 
-def params_at(workdir, step):
+@functools.cache
+def trainer8() -> Trainer:
+    """The reference's trainer (8 devices: fsdp 2 x sequence 4, striped), built once here."""
     c = tr.config()
-    trainer = Trainer(c, make_mesh(c.mesh))
+    return Trainer(c, make_mesh(c.mesh))
+
+
+def params_at(workdir, step):
+    trainer = trainer8()
     ckpts = Checkpoints(workdir / "checkpoints", log=lambda m: None)
     try:
         got = ckpts.restore_params(trainer.abstract_state.params, step=step)
@@ -88,11 +100,12 @@ def params_at(workdir, step):
     return jax.tree.map(np.asarray, got.params)
 
 
-def assert_same_losses(workdir, reference, steps):
+def assert_same_losses(workdir, reference, steps, every=True):
     got, want = tr.metrics(workdir), tr.metrics(reference)
     for s in steps:
         assert (got[s]["loss"], got[s]["grad_norm"]) == (want[s]["loss"], want[s]["grad_norm"]), s
-    assert sorted(got) == sorted(want)
+    if every:
+        assert sorted(got) == sorted(want)
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(interrupted):
@@ -111,7 +124,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(interrupted):
 def test_resume_after_sigterm_continues_bit_for_bit(reference, interrupted):
     workdir, _, _, output = interrupted
     s = stopped_step(output)
-    out = tr.train(workdir)
+    out = tr.entry(workdir)  # the same command
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resuming from step {s} ({workdir / 'checkpoints' / str(s)})" in out.stdout
     assert len((workdir / "metrics.jsonl").read_text().splitlines()) == tr.STEPS  # no repeats
@@ -138,7 +151,7 @@ def test_broken_checkpoints_are_skipped_with_a_message(reference, interrupted):
     (ckpt / str(s + 1) / "commit_success.txt").unlink()
     shutil.copytree(ckpt / str(good), ckpt / f"{s + 2}.orbax-checkpoint-tmp-1764400000")
 
-    out = tr.train(workdir)
+    out = tr.entry(workdir)
     assert out.returncode == 0, out.stderr[-3000:]
     said = out.stdout
     assert f"skipping step {s + 2}:" in said and "never finished" in said
@@ -159,7 +172,7 @@ def test_broken_checkpoints_are_skipped_with_a_message(reference, interrupted):
 
 def test_changed_model_shape_stops_with_one_line(reference):
     before = (reference / "config.json").read_text()
-    out = tr.train(reference, **{"model.d_model": 128, "train.steps": tr.STEPS + 5})
+    out = tr.entry(reference, **{"model.d_model": 128, "train.steps": tr.STEPS + 5})
     assert out.returncode == 2
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, out.stderr[-3000:]
@@ -193,37 +206,43 @@ def test_other_long_context_data_stops_with_one_line(reference):
 
 
 def test_restore_from_weights_only(reference, tmp_path):
+    """The reference's final weights, a fresh optimizer and data iterator, the same schedule."""
     workdir = tmp_path / "finetune"
-    out = tr.train(workdir, **{"checkpoint.restore_from": reference,
-                               "checkpoint.restore_weights_only": True, "train.steps": 2})
+    out = tr.entry(workdir, **{"checkpoint.restore_from": str(reference),
+                               "checkpoint.restore_weights_only": True})
     assert out.returncode == 0, out.stderr[-3000:]
     assert (f"starting from the weights of step {tr.STEPS} "
             f"({reference / 'checkpoints' / str(tr.STEPS)})") in out.stdout
     # Step 0's held-out loss is the reference's final one: the very same weights.
     assert tr.evals(workdir)[0]["eval_loss"] == tr.evals(reference)[tr.STEPS]["eval_loss"]
-    assert sorted(tr.metrics(workdir)) == [1, 2]
-    data = json.loads((workdir / "checkpoints" / "2" / "data" / "metadata").read_text())
-    assert (data["epoch"], data["row"]) == (0, 8)  # a fresh data iterator: 2 batches of 4 rows
+    assert sorted(tr.metrics(workdir)) == list(range(1, tr.STEPS + 1))
+    data = json.loads((workdir / "checkpoints" / str(tr.EVERY) / "data" / "metadata").read_text())
+    # A fresh data iterator: EVERY batches of 4 rows from the start of the first epoch.
+    assert data["epoch"] * data["rows_per_epoch"] + data["row"] == tr.EVERY * 4
 
 
 def test_restore_from_all_state_of_one_step(reference, tmp_path):
+    """Another run's step directory: weights, optimizer state and data position; the run
+    continues as that run did, bit for bit."""
     workdir = tmp_path / "continued"
-    step_dir = reference / "checkpoints" / str(tr.STEPS)
-    out = tr.train(workdir, **{"checkpoint.restore_from": step_dir, "train.steps": tr.STEPS + 2})
+    at = tr.STEPS - tr.EVERY
+    step_dir = reference / "checkpoints" / str(at)
+    out = tr.entry(workdir, **{"checkpoint.restore_from": str(step_dir)})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"starting from step {tr.STEPS} of another run ({step_dir})" in out.stdout
-    assert sorted(tr.metrics(workdir)) == [tr.STEPS + 1, tr.STEPS + 2]
+    assert f"starting from step {at} of another run ({step_dir})" in out.stdout
+    assert sorted(tr.metrics(workdir)) == list(range(at + 1, tr.STEPS + 1))
+    assert_same_losses(workdir, reference, range(at + 1, tr.STEPS + 1), every=False)
     before = json.loads((step_dir / "data" / "metadata").read_text())
-    after = json.loads((workdir / "checkpoints" / str(tr.STEPS + 2) / "data" / "metadata")
+    after = json.loads((workdir / "checkpoints" / str(tr.STEPS) / "data" / "metadata")
                        .read_text())
     rows = lambda d: d["epoch"] * d["rows_per_epoch"] + d["row"]  # noqa: E731
-    assert rows(after) == rows(before) + 2 * 4  # the data position came along
+    assert rows(after) == rows(before) + tr.EVERY * 4  # the data position came along
     # Run again (as after a preemption), the same command resumes its own progress.
-    out = tr.train(workdir, **{"checkpoint.restore_from": step_dir, "train.steps": tr.STEPS + 2})
+    out = tr.entry(workdir, **{"checkpoint.restore_from": str(step_dir)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert (f"checkpoint.restore_from={step_dir} is ignored: this run resumes from its own "
             f"checkpoints") in out.stdout
-    assert f"resuming from step {tr.STEPS + 2} ({workdir / 'checkpoints' / str(tr.STEPS + 2)})" \
+    assert f"resuming from step {tr.STEPS} ({workdir / 'checkpoints' / str(tr.STEPS)})" \
         in out.stdout
 
 
@@ -247,14 +266,15 @@ def test_restore_onto_four_devices_contiguous(reference):
     c8 = tr.config()
     c4 = tr.config(**{"attention.layout": "contiguous"})
     c4.mesh.update(data=1, fsdp=1, sequence=4, tensor=1)
-    mesh8, mesh4 = make_mesh(c8.mesh), make_mesh(c4.mesh, jax.devices()[:4])
-    pipe = make_pipeline(c8, mesh8)
+    mesh4 = make_mesh(c4.mesh, jax.devices()[:4])
+    pipe = make_pipeline(c8, trainer8().mesh)
     natural = pipe.host_batch(0, heldout=True, natural=True)
     pipe.close()
 
     losses = {}
-    for name, c, mesh in (("8 striped", c8, mesh8), ("4 contiguous", c4, mesh4)):
-        trainer = Trainer(c, mesh)
+    for name, c, trainer in (("8 striped", c8, trainer8()),
+                             ("4 contiguous", c4, Trainer(c4, mesh4))):
+        mesh = trainer.mesh
         ckpts = Checkpoints(reference / "checkpoints", log=lambda m: None)
         got = ckpts.restore(trainer.abstract_state)
         ckpts.close()

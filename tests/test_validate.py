@@ -114,18 +114,40 @@ def test_pallas_tiles_meet_the_kernel_rules(overrides, platform, message):
     validate(cfg(**overrides), 8, platform="cpu")
 
 
-@pytest.mark.parametrize("flag,message", [
-    ("--config.attention.layout=spiral", "error: attention.layout='spiral' is not one of"),
-    ("--config.train.steps=-1", "error: train.steps=-1 must be >= 1"),
-    ("--config.data.mixture=books.jsonl:2", "error: data.mixture needs data.source text, jsonl"),
-])
-def test_cli_prints_one_line_and_no_traceback(tmp_path, flag, message):
+# Bad values on train.py's command line: each stops before anything compiles or is written.
+ONE_LINE = [
+    ("--config.attention.layout=spiral", {"attention__layout": "spiral"},
+     "error: attention.layout='spiral' is not one of"),
+    ("--config.train.steps=-1", {"train__steps": -1}, "error: train.steps=-1 must be >= 1"),
+    ("--config.data.mixture=books.jsonl:2", {"data__mixture": "books.jsonl:2"},
+     "error: data.mixture needs data.source text, jsonl"),
+]
+
+
+def one_error_line(code, err, message, workdir):
+    assert code == 2, err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+    assert not (workdir / "checkpoints").exists()
+
+
+def test_cli_prints_one_line_and_no_traceback(tmp_path):
+    """train.py itself, once: the flag parsed into the config, which its entry validates; the
+    other values take the same path from the entry on (test_the_entry_stops_*)."""
+    flag, _, message = ONE_LINE[-1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.py",
                            "--workdir", str(tmp_path / "run"), flag],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
-    assert len(lines) == 1 and message in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    one_error_line(proc.returncode, proc.stderr, message, tmp_path / "run")
+
+
+@pytest.mark.parametrize("flag,overrides,message", ONE_LINE, ids=[f for f, _, _ in ONE_LINE])
+def test_the_entry_stops_in_one_line_with_exit_code_2(tmp_path, capsys, flag, overrides, message):
+    """What train.py does with the parsed config (training/entry.py's main_with_errors), here in
+    this process: one error line on stderr, exit code 2, nothing written."""
+    from parallel.cluster import Place
+    from training.entry import main_with_errors
+    code = main_with_errors(cfg(**overrides), tmp_path / "run", Place("one process"))
+    one_error_line(code, capsys.readouterr().err, message, tmp_path / "run")

@@ -3,7 +3,9 @@
 Runs go through train.py in subprocesses (8 simulated CPU devices), with the persistent XLA
 compilation cache that tests/conftest.py sets for the whole test run: the first run compiles,
 the others load the same programs, so each further run costs its startup and its steps only.
-The reference run is made once for all pytest workers, in the run's shared directory.
+The reference run is made once for all pytest workers, in the run's shared directory. ``entry``
+runs the same configuration through train.py's entry in the test's own process (no Python or
+JAX start; the test process has the same 8 devices and XLA flags, so it loads the same programs).
 """
 from __future__ import annotations
 
@@ -53,6 +55,22 @@ def train_cmd(workdir, **overrides) -> list[str]:
 def train(workdir, timeout=240, **overrides) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(workdir, **overrides), cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def entry(workdir, **overrides) -> subprocess.CompletedProcess:
+    """What train.py does after parsing its flags into ``config(**overrides)``, in this process:
+    training/entry.py's main_with_errors (the run, its one-line errors and exit codes). Returns
+    its exit code and what it printed, as a finished subprocess would."""
+    import contextlib
+    import io
+
+    from parallel.cluster import Place
+    from training.entry import main_with_errors
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main_with_errors(config(**overrides), pathlib.Path(workdir), Place("one process"))
+    return subprocess.CompletedProcess(["train.py", "--workdir", str(workdir)], code,
+                                       out.getvalue(), err.getvalue())
 
 
 def script(name: str, *args, timeout=180) -> subprocess.CompletedProcess:
