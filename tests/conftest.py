@@ -93,16 +93,21 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 @pytest.fixture(autouse=True)
-def _quick_tier_starts_no_process(request, monkeypatch):
-    """In the quick tier a test that starts a process fails: it belongs in tests/tiers.py SLOW."""
+def _quick_tier_starts_no_python(request, monkeypatch):
+    """In the quick tier a test that starts a Python process (a fresh interpreter, mostly a
+    fresh JAX) fails: it belongs in tests/tiers.py SLOW. Shell scripts and tools may run."""
     if request.config.getoption("tier") != "quick":
         return
     import subprocess
+    start = subprocess.Popen.__init__
 
-    def refuse(self, args, *a, **kw):
-        raise AssertionError(f"{request.node.nodeid} starts a process ({args!r}): list it in "
-                             "tests/tiers.py SLOW")
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    def guarded(self, args, *a, **kw):
+        program = os.path.basename(str(args[0] if isinstance(args, (list, tuple)) else args).split()[0])
+        if program.startswith("python") or program == os.path.basename(sys.executable):
+            raise AssertionError(f"{request.node.nodeid} starts a Python process ({args!r}): "
+                                 "list it in tests/tiers.py SLOW")
+        return start(self, args, *a, **kw)
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
 
 # Per-test CPU seconds (this process's threads, XLA's compile threads included, and the

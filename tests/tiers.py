@@ -19,10 +19,14 @@ SLOW = {
     "test_readme_commands.py::test_printed_command_runs": "every printed command, a process each",
     "test_checkpoints.py::test_stop_on_signal_test_holds_when_started_with_sigint_ignored":
         "runs pytest in a background shell",
-    "test_cluster.py::test_a_cluster_launch_needs_no_flags_and_trains_as_one_run": "2 processes",
+    "test_cluster.py::test_a_cluster_launch_needs_no_flags_and_trains_as_one_run[slurm]":
+        "2 processes",
     "test_cluster.py::test_a_host_that_never_arrives_ends_the_run_in_one_line": "train.py",
     "test_cluster.py::test_one_run_per_run_directory_and_a_dead_run_leaves_no_lock": "train.py",
     "test_cluster.py::test_two_process_launcher_trains_and_processes_agree": "2 processes",
+    "test_cluster.py::test_launch_local_gives_each_gpu_process_its_share": "launch_local.py",
+    "test_cluster.py::test_an_evaluation_script_launched_as_several_processes_stops_in_one_line":
+        "generate.py",
     "test_command_line.py": "a process per command line",
     "test_eval_passkey.py::test_cli_grid_table_json_and_heatmap": "eval_passkey.py",
     "test_faults.py": "train.py runs with faults",
