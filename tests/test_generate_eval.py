@@ -18,27 +18,33 @@ def run_dir():
     return tr.reference()
 
 
-def generated(run_dir, tmp_path, name, *args):
-    out_json = tmp_path / f"{name}.json"
-    out = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 12,
-                    "--json", out_json, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out, json.loads(out_json.read_text())
-
-
 @pytest.fixture(scope="module")
-def greedy_run(run_dir, tmp_path_factory):
-    """generate.py --greedy on the trained run, once for the tests that compare with it."""
-    return generated(run_dir, tmp_path_factory.mktemp("greedy"), "greedy", "--greedy")
+def greedy_run(run_dir):
+    """The README's command as a process of its own, with --json alone (greedy by default):
+    (the process's output, its one JSON object). The tests below compare the same script's
+    other modes, its main() run in the test process, with it."""
+    out = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 12,
+                    "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out, json.loads(out.stdout)
 
 
-def test_generate_greedy_matches_the_model_and_top1_sampling(run_dir, greedy_run, tmp_path):
-    out, greedy = greedy_run
+def generate(capfd, *args) -> str:
+    """scripts/generate.py's main() in this process (its programs compiled by the process
+    above, loaded from the run's compilation cache): what it wrote on stdout."""
+    from scripts import generate as script
+    capfd.readouterr()
+    assert script.main([str(a) for a in args]) == 0
+    return capfd.readouterr().out
+
+
+def test_generate_greedy_matches_the_model_and_json_alone_prints_one_object(
+        run_dir, greedy_run, tmp_path, capfd):
+    """The README's command (greedy by default, --json alone) against the model's own logits;
+    --greedy and --json FILE give the same tokens, the text after the prompt, a fuller record."""
+    _, record = greedy_run
     tok = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-    assert greedy["step"] == tr.STEPS and 1 <= len(greedy["tokens"]) <= 12
-    assert out.stdout == PROMPT + greedy["text"] + "\n"
-    assert tok.decode(greedy["tokens"]) == greedy["text"]
-    assert greedy["prompt_tokens"] == tok.encode(PROMPT).ids
+    ids = tok.encode(PROMPT).ids
 
     # The first greedy token is the argmax of the trained model's next-token logits, computed
     # here independently on the run's own 8-device mesh and layout.
@@ -50,7 +56,7 @@ def test_generate_greedy_matches_the_model_and_top1_sampling(run_dir, greedy_run
     trainer = Trainer(c, make_mesh(c.mesh))
     params = Checkpoints(run_dir / "checkpoints", log=print).restore_params(
         trainer.abstract_state.params).params
-    L, ids = c.data.seq_len, greedy["prompt_tokens"]
+    L = c.data.seq_len
     tokens = np.zeros((c.data.batch_size, L), np.int32)
     tokens[:, :len(ids)] = ids
     mesh_seq = trainer.mesh.shape["sequence"]
@@ -64,19 +70,27 @@ def test_generate_greedy_matches_the_model_and_top1_sampling(run_dir, greedy_run
             for k, v in batch.items()})
     natural = np.asarray(logits)[0][inverse(perm)]
     next_logits = natural[len(ids) - 1, :tok.get_vocab_size()]
-    assert greedy["tokens"][0] == int(jnp.argmax(next_logits))
+    assert 1 <= len(record["ids"]) <= 12 and record["ids"][0] == int(jnp.argmax(next_logits))
 
-    # Sampling among the single likeliest token is greedy decoding through the sampling path.
-    _, top1 = generated(run_dir, tmp_path, "top1", "--top-k", 1, "--temperature", 0.7,
-                        "--seed", 3)
-    assert top1["tokens"] == greedy["tokens"] and not top1["greedy"]
+    # --greedy and --json FILE: the text printed after the prompt, the fuller record in FILE
+    out = generate(capfd, "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 12,
+                   "--greedy", "--json", tmp_path / "greedy.json")
+    greedy = json.loads((tmp_path / "greedy.json").read_text())
+    assert greedy["tokens"] == record["ids"] and greedy["greedy"]
+    assert out == PROMPT + greedy["text"] + "\n" and greedy["text"] == record["text"]
+    assert tok.decode(greedy["tokens"]) == greedy["text"]
+    assert greedy["prompt_tokens"] == ids and greedy["step"] == tr.STEPS
+    # --json alone printed exactly one JSON object, the whole of the process's stdout
+    out, _ = greedy_run
+    assert set(record) == {"ids", "text"} and out.stdout.count("\n") == 1
 
 
-def test_generate_bad_arguments_are_one_line(run_dir, tmp_path):
-    out = tr.script("generate.py", "--run", tmp_path, "--prompt", "x")
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("error: --run ")
-    assert "Traceback" not in out.stderr
+def test_generate_bad_arguments_are_one_line(tmp_path, capsys):
+    from scripts import generate as script
+    assert script.main(["--run", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: --run ")
+    assert "Traceback" not in err
 
 
 def test_eval_table_plot_and_json(run_dir, tmp_path):
@@ -130,23 +144,18 @@ def test_context_lengths_and_buckets_against_a_direct_count():
             assert abs(r["loss"] - want) <= 1e-9 * want
 
 
-def test_generate_is_greedy_by_default_and_json_alone_prints_one_object(run_dir, greedy_run):
-    """--json with no file prints exactly one JSON object on stdout: the ids and text of the
-    default (greedy) continuation, equal to --greedy's. With more new tokens the cache grows
-    and the first tokens stay the same: its empty slots change nothing."""
-    _, greedy = greedy_run
-    out = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 12,
-                    "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    record = json.loads(out.stdout)  # the whole of stdout: one object, nothing else
-    assert set(record) == {"ids", "text"} and out.stdout.count("\n") == 1
-    assert record["ids"] == greedy["tokens"] and record["text"] == greedy["text"]
-
-    longer = tr.script("generate.py", "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens",
-                       80, "--json")
-    assert longer.returncode == 0, longer.stderr[-3000:]
-    ids = json.loads(longer.stdout)["ids"]
-    assert ids[:len(record["ids"])] == record["ids"]
+def test_top1_sampling_is_greedy_and_a_longer_cache_changes_nothing(run_dir, greedy_run,
+                                                                    tmp_path, capfd, rng):
+    """Sampling among the single likeliest token (--top-k 1 --temperature 0.7) is greedy
+    decoding through the sampling path; with 80 new tokens instead of 12 the cache grows and
+    the first tokens stay the same: its empty slots change nothing."""
+    _, record = greedy_run
+    generate(capfd, "--run", run_dir, "--prompt", PROMPT, "--max-new-tokens", 80, "--top-k", 1,
+             "--temperature", 0.7, "--seed", int(rng.integers(1000)),
+             "--json", tmp_path / "top1.json")
+    top1 = json.loads((tmp_path / "top1.json").read_text())
+    assert not top1["greedy"] and top1["top_k"] == 1
+    assert top1["tokens"][:len(record["ids"])] == record["ids"]
 
 
 def test_window_is_the_smallest_multiple_of_64_capped_at_seq_len(rng):

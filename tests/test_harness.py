@@ -1,6 +1,7 @@
 """The lm-evaluation-harness model (evaluation/harness.py), RULER's offline tasks through it,
 and scripts/eval_harness.py, on the suite's trained run and on a tiny random Llama that
 transformers' HFLM scores too."""
+import ast
 import json
 import math
 
@@ -26,76 +27,98 @@ def run_dir():
 
 
 @pytest.fixture(scope="module")
-def lm8(run_dir):
-    # max_length: RULER's 512-token prompts and their answer prefix (the run trained at 128)
-    return StripedJaxLM(run=str(run_dir), batch_size=8, max_length=576, log=lambda m: None)
+def lm(run_dir):
+    # the defaults: batch_size auto (the run's data.batch_size, 4), max_length the run's 128
+    return StripedJaxLM(run=str(run_dir), log=lambda m: None)
 
 
-def direct_logprobs(run_dir, tokens):
-    """log-softmax [L, V] (float64) of one unpadded row, one device, dense, natural order."""
+ROWS, LENGTH = 16, 128  # the direct forward's one shape: every row here fits in it
+
+
+@pytest.fixture(scope="module")
+def direct_logprobs(run_dir):
+    """``logprobs(rows) -> [log-softmax [len(row), V] (float64)]``: the run's weights, restored
+    once, on one device, dense attention, natural order. Each row is padded at its end to
+    LENGTH tokens in a segment of its own, which neither its causal mask nor its segment's lets
+    a real token see: one compiled forward serves every row."""
     from checkpoints.rundir import open_run
     run = open_run(run_dir, log=lambda m: None)
     graphdef, abstract = single_device_model(run.config)
     params = run.restore_params(abstract).params
-    L = len(tokens)
-    logits = nnx.merge(graphdef, params)(np.asarray([tokens]), np.arange(L)[None],
-                                         np.ones((1, L), np.int32))[0]
-    logits = np.asarray(logits, np.float64)
-    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    forward = jax.jit(lambda p, t, pos, seg: nnx.merge(graphdef, p)(t, pos, seg))
+
+    def logprobs(rows):
+        out = []
+        for first in range(0, len(rows), ROWS):
+            chunk = rows[first:first + ROWS]
+            tokens = np.zeros((ROWS, LENGTH), np.int32)
+            segments = np.zeros((ROWS, LENGTH), np.int32)
+            for i, row in enumerate(chunk):
+                assert 0 < len(row) <= LENGTH
+                tokens[i, :len(row)], segments[i, :len(row)] = row, 1
+            positions = np.broadcast_to(np.arange(LENGTH, dtype=np.int32), tokens.shape)
+            logits = np.asarray(forward(params, tokens, positions, segments), np.float64)
+            for i, row in enumerate(chunk):
+                x = logits[i, :len(row)]
+                out.append(x - np.logaddexp.reduce(x, axis=-1, keepdims=True))
+        return out
+
+    return logprobs
 
 
-def test_loglikelihoods_are_a_direct_forwards_and_batch_size_changes_nothing(run_dir, lm8, rng):
-    vocab = lm8.tok.get_vocab_size()
-    requests, expected = [], []
-    for i in range(10):
-        context = rng.integers(1, vocab, int(rng.integers(1, 90))).tolist()
-        logp = direct_logprobs(run_dir, context)
+def test_loglikelihoods_are_a_direct_forwards_and_batch_size_changes_nothing(run_dir, lm, rng,
+                                                                              direct_logprobs):
+    vocab = lm.tok.get_vocab_size()
+    contexts = [rng.integers(1, vocab, int(rng.integers(1, 90))).tolist() for _ in range(10)]
+    requests, wholes = [], []
+    for i, (context, logp) in enumerate(zip(contexts, direct_logprobs(contexts))):
         if i % 2:  # the model's own next token: greedy
             continuation = [int(np.argmax(logp[-1, :vocab]))]
         else:
             continuation = rng.integers(1, vocab, int(rng.integers(1, 30))).tolist()
-        whole = context + continuation
-        logp = direct_logprobs(run_dir, whole[:-1])
-        picks = logp[np.arange(len(context) - 1, len(whole) - 1), continuation]
-        greedy = all(int(np.argmax(logp[p, :vocab])) == t for p, t in
-                     zip(range(len(context) - 1, len(whole) - 1), continuation))
         requests.append((("ctx", "cont"), context, continuation))
+        wholes.append((context + continuation)[:-1])
+    expected = []
+    for (_, context, continuation), logp in zip(requests, direct_logprobs(wholes)):
+        scored = np.arange(len(context) - 1, len(context) + len(continuation) - 1)
+        picks = logp[scored, continuation]
+        greedy = all(int(np.argmax(logp[p, :vocab])) == t for p, t in zip(scored, continuation))
         expected.append((float(picks.sum()), greedy))
-    got8 = lm8._loglikelihood_tokens(requests, disable_tqdm=True)
-    for (ours, our_greedy), (ref, ref_greedy) in zip(got8, expected):
+    got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    for (ours, our_greedy), (ref, ref_greedy) in zip(got, expected):
         assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref)) and our_greedy == ref_greedy
     assert sum(g for _, g in expected) >= 5  # the greedy rows are greedy
+    # 2 rows per pass (1 rounded up to the data x fsdp axes) against the run's 4
     lm1 = StripedJaxLM(run=str(run_dir), batch_size=1, log=lambda m: None)
+    assert (lm1.rows_per_pass, lm.rows_per_pass) == (2, 4)
     got1 = lm1._loglikelihood_tokens(requests, disable_tqdm=True)
-    for (a, ga), (b, gb) in zip(got1, got8):
+    for (a, ga), (b, gb) in zip(got1, got):
         assert abs(a - b) <= 1e-6 * max(1.0, abs(a)) and ga == gb
-    prompts = [Instance("generate_until", {}, (lm8.tok.decode(r[1][:40]),
+    prompts = [Instance("generate_until", {}, (lm.tok.decode(r[1][:40]),
                                                {"until": ["\n\n"], "max_gen_toks": 12}), i)
                for i, r in enumerate(requests[:6])]
-    assert lm1.generate_until(prompts, True) == lm8.generate_until(prompts, True)
+    assert lm1.generate_until(prompts, True) == lm.generate_until(prompts, True)
 
 
-def test_rolling_windows_score_every_token_exactly_once(run_dir, rng):
-    lm = StripedJaxLM(run=str(run_dir), batch_size=4, max_length=48, log=lambda m: None)
-    seen = []
+def test_rolling_windows_score_every_token_exactly_once(lm, rng, direct_logprobs, monkeypatch):
+    seen = []  # windows of max_length (128) tokens
     score = lm.scorer.__call__
 
     def recording(params, rows, progress=None):
         seen.extend(rows)
         return score(params, rows, progress)
 
-    lm.scorer = recording
-    text = lm.tok.decode(rng.integers(300, lm.tok.get_vocab_size(), 150).tolist())
+    monkeypatch.setattr(lm, "scorer", recording)
+    text = lm.tok.decode(rng.integers(300, lm.tok.get_vocab_size(), 400).tolist())
     ids = lm.tok_encode(text)
     (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], True)
     labels = [(*row.tokens[1:], row.target) for row in seen]
     scored = [t for row, lab in zip(seen, labels) for t in lab[-row.scored:]]
-    assert scored == ids and len(seen) == math.ceil(len(ids) / 48)
+    assert scored == ids and len(seen) == math.ceil(len(ids) / 128) >= 3
     assert seen[0].tokens[0] == lm.prefix_token_id  # the first window starts at end-of-text
     # the total is each window's plain forward, summed over the tokens it scores
     direct = 0.0
-    for row, lab in zip(seen, labels):
-        logp = direct_logprobs(run_dir, list(row.tokens))
+    for row, lab, logp in zip(seen, labels, direct_logprobs([list(r.tokens) for r in seen])):
         n = len(row.tokens)
         direct += logp[np.arange(n - row.scored, n), lab[-row.scored:]].sum()
     assert abs(total - direct) <= 1e-5 * abs(direct)
@@ -129,16 +152,18 @@ def test_bad_arguments_and_a_prompt_past_max_length_are_one_line(run_dir):
         StripedJaxLM(run=str(run_dir), pretrained="x")
     with pytest.raises(EvalError, match="batch_size='many' must be a positive integer"):
         StripedJaxLM(run=str(run_dir), batch_size="many")
-    lm = StripedJaxLM(run=str(run_dir), max_length=40, log=lambda m: None)
-    text = lm.tok.decode(list(range(300, 360)))
-    request = [Instance("generate_until", {}, (text, {"until": [], "max_gen_toks": 8}), 0)]
-    with pytest.raises(EvalError, match=r"a prompt of \d+ tokens and 8 to generate exceed "
-                                        r"max_length=40; raise max_length"):
+    # A prompt cut to 76 - 12 = 64 tokens generates in the program of the first test's
+    # generations (rows of 64, 12 new tokens, 2 rows)
+    lm = StripedJaxLM(run=str(run_dir), max_length=76, log=lambda m: None)
+    text = lm.tok.decode(list(range(300, 400)))
+    request = [Instance("generate_until", {}, (text, {"until": [], "max_gen_toks": 12}), 0)]
+    with pytest.raises(EvalError, match=r"a prompt of \d+ tokens and 12 to generate exceed "
+                                        r"max_length=76; raise max_length"):
         lm.generate_until(request, True)
     said = []
-    cut = StripedJaxLM(run=str(run_dir), max_length=40, truncate="true", log=said.append)
+    cut = StripedJaxLM(run=str(run_dir), max_length=76, truncate="true", log=said.append)
     assert len(cut.generate_until(request, True)) == 1 and cut.truncated == 1
-    assert said[-1] == ("stripedjax: left-truncated 1 prompt(s) to fit max_length 40 with room "
+    assert said[-1] == ("stripedjax: left-truncated 1 prompt(s) to fit max_length 76 with room "
                         "for their generation")
 
 
@@ -147,8 +172,12 @@ def test_bad_arguments_and_a_prompt_past_max_length_are_one_line(run_dir):
 @pytest.fixture(scope="module")
 def ruler(run_dir, tmp_path_factory):
     """Offline RULER: the run's tokenizer as an HF folder, nltk's punkt_tab stand-in, one
-    TaskManager (its task index takes seconds to build) for niah at 512 tokens."""
+    TaskManager for niah at 512 tokens. It indexes RULER's own folder of lm_eval's tasks: the
+    index of all of them takes 8 s to build."""
     import os
+    import pathlib
+
+    import lm_eval.tasks
 
     from checkpoints.rundir import open_run
     from hf.convert import write_tokenizer
@@ -160,7 +189,9 @@ def ruler(run_dir, tmp_path_factory):
     nltk.data.path.extend(p for p in env.get("NLTK_DATA", "").split(os.pathsep) if p)
     folder = write_tokenizer(open_run(run_dir, log=lambda m: None),
                              tmp_path_factory.mktemp("tok"), 576)
-    yield TaskManager(metadata={"max_seq_lengths": [512], "tokenizer": str(folder)})
+    yield TaskManager(include_defaults=False,
+                      include_path=str(pathlib.Path(lm_eval.tasks.__file__).parent / "ruler"),
+                      metadata={"max_seq_lengths": [512], "tokenizer": str(folder)})
     for k, v in saved.items():  # the worker's later test files see their own environment
         if v is None:
             os.environ.pop(k, None)
@@ -199,33 +230,58 @@ def test_a_stub_reading_the_needle_scores_one_and_a_wrong_one_zero(ruler, wrong,
         assert len(res["samples"][task]) == 6
 
 
-def test_niah_single_1_on_the_trained_run(ruler, lm8):
-    res = simple_evaluate(model=lm8, tasks=["niah_single_1"], task_manager=ruler, limit=2,
-                          bootstrap_iters=0, log_samples=True)
-    score = res["results"]["niah_single_1"]["512,none"]
-    samples = res["samples"]["niah_single_1"]
-    assert 0.0 <= score <= 1.0 and len(samples) == 2
-    assert score == np.mean([s["512"] for s in samples])
-    for s in samples:
-        prompt = s["arguments"][0][0]  # (context, generation kwargs) of its one request
-        # RULER keeps 128 tokens of the 512 for the answer, then appends an answer prefix
-        assert s["target"][0] in prompt and 300 <= len(lm8.tok_encode(prompt)) <= 512 - 128 + 64
-        assert isinstance(s["resps"][0][0], str)
+def test_the_script_prints_lm_evals_table(run_dir, tmp_path, capsys, monkeypatch):
+    """The README's command on the trained run, its main() in this process (lm_eval and RULER's
+    data code are loaded already): lm_eval's table on stdout and its results and samples files,
+    niah_single_1 prompted at RULER's 512 tokens through the run's tokenizer folder and answered
+    by the run's stripedjax model. lm_eval indexes RULER's folder of its tasks only (the index
+    of all of them, lm_eval's own work, takes 8 s). A process of its own stops on a lm_eval flag
+    that is the script's to set."""
+    import os
+    import pathlib
+    import sys
 
+    import lm_eval.tasks
 
-def test_the_script_prints_lm_evals_table(run_dir, tmp_path):
-    out = tr.script("eval_harness.py", "--run", run_dir, "--", "--tasks", "niah_single_1",
-                    "--metadata", '{"max_seq_lengths": [512]}', "--limit", 1,
-                    "--output_path", tmp_path / "out", "--log_samples", timeout=400)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "|niah_single_1|" in out.stdout and "|   512|" in out.stdout
+    from scripts import eval_harness
+    ruler_tasks = str(pathlib.Path(lm_eval.tasks.__file__).parent / "ruler")
+
+    class RulerTasks(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, include_path=None, include_defaults=True, **kwargs):
+            super().__init__(*args, include_path=include_path or ruler_tasks,
+                             include_defaults=False, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", RulerTasks)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() hands lm_eval its own argv
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "NLTK_DATA"):  # offline.prepare's
+        if name in os.environ:  # restored after the test, whatever main() sets
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    assert eval_harness.main(["--run", str(run_dir), "--", "--tasks", "niah_single_1",
+                              "--metadata", '{"max_seq_lengths": [512]}', "--limit", "1",
+                              "--output_path", str(tmp_path / "out"), "--log_samples"]) == 0
+    out = capsys.readouterr().out
+    assert "|niah_single_1|" in out and "|   512|" in out
     (results,) = (tmp_path / "out").glob("*/results_*.json")
-    got = json.loads(results.read_text())["results"]["niah_single_1"]["512,none"]
-    assert 0.0 <= got <= 1.0
-    assert (run_dir / "eval" / "hf_tokenizer" / "tokenizer_config.json").is_file()
+    score = json.loads(results.read_text())["results"]["niah_single_1"]["512,none"]
+    (samples,) = (tmp_path / "out").glob("*/samples_niah_single_1_*.jsonl")
+    (sample,) = map(json.loads, samples.read_text().splitlines())
+    assert score == sample["512"] and score in (0.0, 1.0)
+    prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+    # RULER keeps 128 tokens of the 512 for the answer, then appends an answer prefix
+    tokenizer = run_dir / "eval" / "hf_tokenizer"
+    assert (tokenizer / "tokenizer_config.json").is_file()
+    from tokenizers import Tokenizer
+    length = len(Tokenizer.from_file(str(tokenizer / "tokenizer.json")).encode(prompt).ids)
+    (target,) = ast.literal_eval(sample["target"])  # the file holds the list's repr
+    assert target in prompt and 300 <= length <= 512 - 128 + 64
+    assert isinstance(sample["resps"][0][0], str)
     bad = tr.script("eval_harness.py", "--run", run_dir, "--", "--model", "hf", "--tasks", "x")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "error: --model is this script's to set (the stripedjax model of --run); leave it out")
+    assert "Traceback" not in bad.stderr
 
 
 def test_a_data_build_past_its_time_limit_is_one_line():
