@@ -47,6 +47,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if config.getoption("tier") == "quick":
+        _refuse_python_processes()
     config.addinivalue_line("markers", "slow: left out of `make test-quick` (tests/tiers.py SLOW)")
     config.addinivalue_line("markers", "next: the JAX-version surface `make test-next` runs "
                                        "(tests/tiers.py NEXT)")
@@ -92,22 +94,22 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [item for item in items if keep(item)]
 
 
-@pytest.fixture(autouse=True)
-def _quick_tier_starts_no_python(request, monkeypatch):
-    """In the quick tier a test that starts a Python process (a fresh interpreter, mostly a
-    fresh JAX) fails: it belongs in tests/tiers.py SLOW. Shell scripts and tools may run."""
-    if request.config.getoption("tier") != "quick":
-        return
+def _refuse_python_processes() -> None:
+    """The quick tier: starting a Python process (a fresh interpreter, mostly a fresh JAX) fails,
+    in a test or in a fixture it sets up, naming the test: it belongs in tests/tiers.py SLOW.
+    Shell scripts and other tools may run."""
     import subprocess
     start = subprocess.Popen.__init__
 
     def guarded(self, args, *a, **kw):
-        program = os.path.basename(str(args[0] if isinstance(args, (list, tuple)) else args).split()[0])
+        first = args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]
+        program = os.path.basename(str(first))
         if program.startswith("python") or program == os.path.basename(sys.executable):
-            raise AssertionError(f"{request.node.nodeid} starts a Python process ({args!r}): "
+            test = os.environ.get("PYTEST_CURRENT_TEST", "a test").split(" ")[0]
+            raise AssertionError(f"{test} starts a Python process ({args!r}) in the quick tier: "
                                  "list it in tests/tiers.py SLOW")
         return start(self, args, *a, **kw)
-    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    subprocess.Popen.__init__ = guarded
 
 
 # Per-test CPU seconds (this process's threads, XLA's compile threads included, and the

@@ -56,6 +56,10 @@ SLOW = {
     "test_usp.py::test_usp_bf16_through_the_fused_kernel": "Pallas interpret mode",
     "test_allgather.py::test_allgather_through_the_fused_kernel": "Pallas interpret mode",
     # trained models and whole train steps
+    "test_eval_passkey.py::test_cli_user_errors_are_one_line": "on the suite's trained run",
+    "test_eval_passkey.py::test_layout_path_matches_one_device_dense": "compiles the scorer twice",
+    "test_hf_convert.py::test_greedy_generation_gives_transformers_tokens": "generation, ~7 s",
+    "test_data_tfds.py::test_tfds_source": "builds a TFDS dataset",
     "test_eval_passkey.py::test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_not":
         "600+ training steps",
     "test_state.py": "train steps on several meshes, microbatches, 12 bf16 steps",
