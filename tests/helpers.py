@@ -1,6 +1,7 @@
 """Shared test helpers: the float64 reference attention, random inputs and packed documents,
-running context-parallel attention in every layout, counting the collectives of a jaxpr, and
-the tiny two-process training runs."""
+running context-parallel attention in every layout, checking that a table of test cases covers
+every pair of values, counting the collectives of a jaxpr, and the tiny two-process training
+runs."""
 import math
 import os
 
@@ -122,6 +123,17 @@ def run_all_layouts(rng, n, heads, mask, impl="ring", dtype=jnp.float32, tol=1e-
         got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, stripe=stripe,
                            segment_ids=seg, dtype=dtype, impl=impl, causal=causal, **kw)
         check(got, want, tol)
+
+
+def missing_pairs(cases, factors=None):
+    """The (factor i, value, factor j, value) pairs that no case holds, over the given factors
+    (indices into each case tuple; all by default) and the values each factor takes somewhere.
+    A covering table of test cases holds every pair: ``assert not missing_pairs(CASES)``."""
+    factors = range(len(cases[0])) if factors is None else factors
+    values = {i: sorted({c[i] for c in cases}, key=str) for i in factors}
+    seen = {(i, c[i], j, c[j]) for c in cases for i in factors for j in factors if i < j}
+    return [(i, a, j, b) for i in factors for j in factors if i < j
+            for a in values[i] for b in values[j] if (i, a, j, b) not in seen]
 
 
 def check(got, want, tol):

@@ -1,5 +1,6 @@
 """All-gather context parallelism (parallel/strategies/allgather.py) against the float64
-reference: every layout, MHA and GQA, packed documents, N in {2, 4, 8}, outputs and gradients of q, k, v.
+reference: every layout, MHA and GQA, packed documents, N in {2, 4}, fp32 and bf16, outputs and
+gradients of q, k, v. Through a fused kernel: test_kernels' group_of_7[allgather-pallas_tpu].
 
 Every layout of a case reuses one compiled program (positions are runtime data), so each case
 costs one compilation; the cases cover every value of each dimension.
@@ -13,17 +14,19 @@ from parallel.attention import context_parallel_attention
 
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
 HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
-@pytest.mark.parametrize("n,heads,mask", [(2, "mha", "packed"), (4, "gqa4", "packed"),
-                                          (8, "gqa4", "causal")])
-def test_allgather_matches_reference(rng, n, heads, mask):
+# 2 and 4 devices (8 gathers more blocks through the same program), MHA in fp32 and GQA in
+# bf16 (fp32 GQA on 4 devices: test_allgather_with_reduce_scatter below, test_kernels'
+# non-causal [allgather-xla-mixed]); causal without segment ids: the reduce-scatter test and
+# test_window's allgather case.
+@pytest.mark.parametrize("n,heads,mask,dtype", [(2, "mha", "packed", "float32"),
+                                                (4, "gqa4", "packed", "bfloat16")])
+def test_allgather_matches_reference(rng, n, heads, mask, dtype):
     layouts = LAYOUTS + [("striped", 2)] if n == 4 else LAYOUTS
-    run_all_layouts(rng, n, HEADS[heads], mask, "allgather", layouts=layouts, block_q=4, block_kv=2)
-
-
-def test_allgather_bf16(rng):
-    run_all_layouts(rng, 4, (4, 2), "packed", "allgather", dtype=jnp.bfloat16, tol=2e-2, block_q=4, block_kv=4)
+    run_all_layouts(rng, n, HEADS[heads], mask, "allgather", layouts=layouts, block_q=4,
+                    block_kv=2, dtype=jnp.dtype(dtype), tol=TOL[dtype])
 
 
 @pytest.fixture
@@ -43,12 +46,6 @@ def test_allgather_with_reduce_scatter(rng, scatter_mode):
     """The accelerators' path (reduce-scatter) is exact too."""
     scatter_mode(set())
     run_all_layouts(rng, 4, (4, 2), "causal", "allgather", layouts=[("zigzag", 1)], block_q=4, block_kv=4)
-
-
-def test_allgather_through_the_fused_kernel(rng):
-    """The Pallas kernel (interpret mode on a CPU) through the same chunk loop."""
-    run_all_layouts(rng, 2, (4, 2), "packed", "allgather", block_q=4, block_kv=8, kernel="pallas_gpu",
-                    layouts=[("striped", 1), ("zigzag", 1)])
 
 
 @pytest.mark.parametrize("scatter", [True, False], ids=["reduce_scatter", "cpu_all_reduce"])

@@ -13,64 +13,62 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from errors import LayoutError
-from helpers import (B, D, L, check, inputs, ppermute_hops, random_segments, reference, rel_err,
-                     ring_mesh, ring_outputs)
+from helpers import (B, D, L, check, inputs, missing_pairs, ppermute_hops, random_segments,
+                     reference, rel_err, ring_mesh, ring_outputs, run_all_layouts)
 from parallel.attention import context_parallel_attention
 from parallel.kernels.xla import dense_attention
-from parallel.layouts import LAYOUTS, inverse, permutation
+from parallel.layouts import inverse, permutation
 
 
 # ----------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("mask", ["causal", "packed"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "gqa4"])
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_matches_reference_fp32(rng, layout, n, heads, mask):
-    q, k, v, dout = inputs(rng, *heads)
-    seg = random_segments(rng, B, L) if mask == "packed" else None
-    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, segment_ids=seg,
-                       block_q=4, block_kv=8)
-    check(got, reference(q, k, v, dout, pos, seg), 1e-5)
+# (ring size, heads, mask, dtype), each case in every layout (a layout only changes the data:
+# the layouts of a case share its one compiled program). Each case compiles a forward and a
+# backward program, so instead of the product (24 programs) the table holds every pair of values
+# of any two factors (asserted below). The ring sizes are its three paths: N=1 one round (no
+# loop, no transfer), N=2 a forward loop of one trip and a backward loop of none, N=4 the
+# general loop; larger rings only run the same loops longer (N=8: test_smallest_length_per_device,
+# test_window's usp over a ring of 4 groups of 2).
+CASES = [(1, "mha", "causal", "float32"), (1, "gqa4", "packed", "bfloat16"),
+         (2, "mha", "packed", "bfloat16"), (2, "gqa4", "causal", "float32"),
+         (4, "mha", "packed", "float32"), (4, "gqa4", "causal", "bfloat16")]
+assert not missing_pairs(CASES)
+HEADS = {"mha": (4, 4), "gqa4": (4, 1)}
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+TILES = {"block_q": 4, "block_kv": 8}  # several q and kv tiles per chunk at every N
+LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
+# Stripe widths > 1 deal blocks of tokens: only the data changes, so they ride on one case.
+WIDE_STRIPES = [("striped", 2), ("striped", 4)]
 
 
-@pytest.mark.parametrize("n", [2, 8])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_matches_reference_bf16(rng, layout, n):
-    q, k, v, dout = inputs(rng, 4, 1, dtype=jnp.bfloat16)
-    seg = random_segments(rng, B, L)
-    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    got = ring_outputs(q, k, v, dout, mesh=ring_mesh(n), layout=layout, segment_ids=seg,
-                       dtype=jnp.bfloat16, block_q=4, block_kv=4)
-    check(got, reference(q, k, v, dout, pos, seg), 2e-2)
-
-
-@pytest.mark.parametrize("stripe", [2, 4])
-def test_striped_stripe_width(rng, stripe):
-    q, k, v, dout = inputs(rng, 4, 2)
-    seg = random_segments(rng, B, L)
-    pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    got = ring_outputs(q, k, v, dout, mesh=ring_mesh(4), layout="striped", stripe=stripe,
-                       segment_ids=seg, block_q=4, block_kv=8)
-    check(got, reference(q, k, v, dout, pos, seg), 1e-5)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ring_matches_reference_in_every_layout(rng, case):
+    """Outputs and dQ/dK/dV of the ring against float64 attention (natural order), in every
+    layout (and stripe widths 2 and 4 in the N=4 packed fp32 case)."""
+    n, heads, mask, dtype = case
+    layouts = LAYOUTS + WIDE_STRIPES if case == (4, "mha", "packed", "float32") else LAYOUTS
+    run_all_layouts(rng, n, HEADS[heads], mask, dtype=jnp.dtype(dtype), tol=TOL[dtype],
+                    layouts=layouts, **TILES)
 
 
 def test_explicit_positions_reset_per_document(rng):
-    """Positions restarting at each packed document (as RoPE ids do) give the same mask."""
-    q, k, v, dout = inputs(rng, 4, 2)
+    """Positions restarting at each packed document (as RoPE ids do) give the same mask. The
+    shapes and tiles of test_ring_matches_reference_in_every_layout[4-mha-packed-float32]:
+    positions are data, so this reuses that case's compiled program."""
+    q, k, v, dout = inputs(rng, *HEADS["mha"])
     seg = random_segments(rng, B, L)
     starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1, axis=1) != 0, np.arange(L), 0), axis=1)
     pos = (np.arange(L) - starts).astype(np.int32)
     got = ring_outputs(q, k, v, dout, mesh=ring_mesh(4), layout="zigzag", segment_ids=seg,
-                       positions=pos, block_q=2, block_kv=4, jit=True)
+                       positions=pos, **TILES)
     check(got, reference(q, k, v, dout, pos, seg), 1e-5)
 
 
-@pytest.mark.parametrize("layout,length", [("contiguous", 8), ("striped", 8), ("zigzag", 16)])
+@pytest.mark.parametrize("layout,length", [("contiguous", 8), ("zigzag", 16)])
 def test_smallest_length_per_device(rng, layout, length):
-    """1 token per device (2 for zigzag); the default 512 tiles are clamped to the chunk."""
+    """1 token per device (2 for zigzag), on a ring of 8, under jit; the default 512 tiles are
+    clamped to the chunk. (Striped with one token per device is the contiguous permutation.)"""
     q, k, v, dout = inputs(rng, 4, 2, length=length)
     pos = np.broadcast_to(np.arange(length, dtype=np.int32), (B, length))
     got = ring_outputs(q, k, v, dout, mesh=ring_mesh(8), layout=layout, jit=True)

@@ -41,7 +41,8 @@ def test_tile_predicate_matches_brute_force(rng, causal, segments):
         q_seg = rng.integers(0, 3, (2, 16)).astype(np.int32) if segments else None
         k_seg = rng.integers(0, 3, (2, 16)).astype(np.int32) if segments else None
         case = predicate.tile_cases(q_pos, k_pos, q_seg, k_seg, block_q=bq, block_kv=bk, causal=causal)
-        if it < 3:  # the kernel's (jax) evaluation of the same function agrees
+        if it == 0:  # the kernel's (jax) evaluation of the same function agrees (once: the
+            # same code as numpy's, each evaluation a few dozen small compiled ops)
             case_jax = predicate.tile_cases(*(None if x is None else jnp.asarray(x) for x in (q_pos, k_pos, q_seg, k_seg)),
                                      block_q=bq, block_kv=bk, causal=causal)
             np.testing.assert_array_equal(case, np.asarray(case_jax))

@@ -1,7 +1,7 @@
 """Ulysses and the hybrid usp (parallel/strategies/usp.py) against the float64 reference: every
 layout, MHA and GQA, packed documents, outputs and gradients of q, k, v; Ulysses over N in
-{2, 4, 8}, usp with (Ulysses degree, ring length) in {(2, 2), (2, 4), (4, 2)}; the head
-divisibility errors; the traffic of the hybrid.
+{2, 4}, usp with (Ulysses degree, ring length) (4, 2), and (2, 2) on a mesh with Explicit axes
+and heads over tensor; the head divisibility errors; the traffic of the hybrid.
 """
 import jax
 import jax.numpy as jnp
@@ -17,26 +17,24 @@ from parallel.layouts import inverse, permutation
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("zigzag", 1)]
 
 
-# Heads must split N ways: GQA (4 query heads per kv head, or 2) where the kv heads allow.
-@pytest.mark.parametrize("n,heads,mask", [(2, (8, 2), "packed"), (4, (4, 4), "causal"),
-                                          (8, (8, 8), "packed")],
-                         ids=["n2-gqa4-packed", "n4-mha-causal", "n8-mha-packed"])
+# Heads must split N ways: GQA (4 query heads per kv head) where the kv heads allow. Ulysses over
+# 2 and 4 devices (8 runs the same one-round program on more devices, with the same all-to-all).
+@pytest.mark.parametrize("n,heads,mask", [(2, (8, 2), "packed"), (4, (4, 4), "causal")],
+                         ids=["n2-gqa4-packed", "n4-mha-causal"])
 def test_ulysses_matches_reference(rng, n, heads, mask):
     layouts = LAYOUTS + [("striped", 2)] if n == 4 else LAYOUTS
     run_all_layouts(rng, n, heads, mask, "ulysses", layouts=layouts, block_q=4, block_kv=2)
 
 
-@pytest.mark.parametrize("u,ring,heads,mask", [(2, 2, (4, 2), "packed"), (2, 4, (4, 4), "causal"),
-                                               (4, 2, (8, 4), "packed")],
-                         ids=["u2-ring2-gqa2-packed", "u2-ring4-mha-causal", "u4-ring2-gqa2-packed"])
+# Ulysses groups of 4 in a ring of 2 groups, every layout. Groups of 2 in a ring of 2: the
+# explicit-mesh test below (heads also over tensor, zigzag), test_kernels' non-causal
+# [usp-xla-mixed] (every layout) and group_of_7[usp-pallas_gpu] (a fused kernel); in a ring of
+# 4 groups: test_window's test_window_in_every_strategy[usp-8-2-heads0] (with a window, which
+# cuts it short in the contiguous layout, and the full ring); usp in bf16: test_kv_cache.
+@pytest.mark.parametrize("u,ring,heads,mask", [(4, 2, (8, 4), "packed")],
+                         ids=["u4-ring2-gqa2-packed"])
 def test_usp_matches_reference(rng, u, ring, heads, mask):
     run_all_layouts(rng, u * ring, heads, mask, "usp", ulysses=u, block_q=2, block_kv=4)
-
-
-def test_usp_bf16_through_the_fused_kernel(rng):
-    """The Pallas kernel (interpret mode on a CPU) through the all-to-all, chunk pairs and ring."""
-    run_all_layouts(rng, 4, (4, 2), "packed", "usp", dtype=jnp.bfloat16, tol=2e-2, ulysses=2,
-                    block_q=4, block_kv=8, kernel="pallas_tpu", layouts=[("striped", 1)])
 
 
 def test_usp_with_heads_over_tensor_on_an_explicit_mesh(rng):

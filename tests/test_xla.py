@@ -34,16 +34,19 @@ def test_rows_with_no_visible_key_in_first_blocks(rng):
     q_s = ac.to_q_major(jnp.asarray(q) * scale, hkv)
     block = lambda k, v, pos, seg: ac.KV(ac.to_kv_major(jnp.asarray(k)), ac.to_kv_major(jnp.asarray(v)),
                                          jnp.asarray(pos), jnp.asarray(seg))
-    run = lambda acc, blk: xla.attend_block(q_s, blk, jnp.asarray(q_pos), jnp.asarray(q_seg), acc,
-                                           block_q=8, block_kv=4)
+    # one compiled program for both blocks (eagerly, each of the kernel's ops compiled alone)
+    run = jax.jit(lambda acc, blk: xla.attend_block(q_s, blk, jnp.asarray(q_pos),
+                                                    jnp.asarray(q_seg), acc, block_q=8,
+                                                    block_kv=4))
+    finalize = jax.jit(ac.finalize)
     assert np.all(np.asarray(predicate.tile_cases(q_pos, a_pos, q_seg, a_seg, block_q=8, block_kv=4)) == predicate.MASKED)
     acc = run(ac.init_acc(q_s), block(kv[0], kv[1], a_pos, a_seg))
-    out_a, lse_a = ac.finalize(acc)
+    out_a, lse_a = finalize(acc)
     assert np.all(np.isfinite(np.asarray(acc.o))) and np.all(np.isfinite(np.asarray(acc.m)))
     lonely = np.asarray(q_seg[0] == 1)
     assert np.all(np.asarray(ac.from_q_major(out_a))[0, lonely] == 0)
     assert np.all(np.isinf(np.asarray(lse_a)[0, :, lonely]))
-    out, _ = ac.finalize(run(acc, block(kv[2], kv[3], b_pos, b_seg)))
+    out, _ = finalize(run(acc, block(kv[2], kv[3], b_pos, b_seg)))
     k_all = np.concatenate([kv[0], kv[2]], 1)
     v_all = np.concatenate([kv[1], kv[3]], 1)
     s = np.einsum("qhd,khd->hqk", q[0].astype(np.float64), np.repeat(k_all[0], 2, 1)) * scale
@@ -57,9 +60,14 @@ def test_rows_with_no_visible_key_in_first_blocks(rng):
 # ----------------------------------------------------------------------------- dense reference
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "gqa4"])
-@pytest.mark.parametrize("mask", ["causal", "packed", "bidirectional", "bidirectional-packed"])
-def test_dense_attention_matches_reference(rng, heads, mask):
+# Every mask once (each a compiled program), MHA and GQA each with and without causality and
+# segment ids: the head grouping and the mask are independent parts of the computation.
+@pytest.mark.parametrize("mask,heads", [("causal", (4, 4)), ("packed", (4, 1)),
+                                        ("bidirectional", (4, 1)),
+                                        ("bidirectional-packed", (4, 4))],
+                         ids=["causal-mha", "packed-gqa4", "bidirectional-gqa4",
+                              "bidirectional-packed-mha"])
+def test_dense_attention_matches_reference(rng, mask, heads):
     q, k, v, dout = inputs(rng, *heads)
     seg = random_segments(rng, B, L) if mask.endswith("packed") else None
     pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
@@ -78,7 +86,7 @@ def test_dense_attention_matches_reference(rng, heads, mask):
 
 def test_dense_attention_bf16_and_default_positions(rng):
     q, k, v, _ = inputs(rng, 4, 2, dtype=jnp.bfloat16)
-    out = dense_attention(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)))
+    out = jax.jit(dense_attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)))
     assert out.dtype == jnp.bfloat16
     pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
     assert rel_err(np.asarray(out.astype(jnp.float32)), reference(q, k, v, q, pos, None)[0]) < 2e-2

@@ -46,15 +46,11 @@ SLOW = {
     "test_kernels.py::test_fused_ring_matches_reference": "Pallas interpret mode",
     "test_kernels.py::test_unordered_positions_stay_exact": "Pallas interpret mode",
     "test_kernels.py::test_non_causal_matches_reference": "Pallas interpret mode (some cases)",
-    "test_kernels.py::test_any_group_with_default_tiles": "Pallas interpret mode",
     "test_kernels.py::test_group_of_7_query_heads_per_kv_head_in_every_strategy_and_kernel":
         "Pallas interpret mode (some cases)",
-    "test_kernels.py::test_uneven_group_over_many_tiles": "Pallas interpret mode",
     "test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds": "Pallas interpret mode",
     "test_kernels.py::test_dense_impl_uses_the_fused_kernel": "Pallas interpret mode",
     "test_window.py::test_window_in_the_fused_kernels": "Pallas interpret mode",
-    "test_usp.py::test_usp_bf16_through_the_fused_kernel": "Pallas interpret mode",
-    "test_allgather.py::test_allgather_through_the_fused_kernel": "Pallas interpret mode",
     # trained models and whole train steps
     "test_eval_passkey.py::test_cli_user_errors_are_one_line": "on the suite's trained run",
     "test_eval_passkey.py::test_layout_path_matches_one_device_dense": "compiles the scorer twice",
