@@ -47,7 +47,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    if config.getoption("tier") == "quick":
+    # (in the process that runs tests: pytest-xdist's controller starts its workers in Python)
+    runs_tests = hasattr(config, "workerinput") or not config.getoption("numprocesses", None)
+    if config.getoption("tier") == "quick" and runs_tests:
         _refuse_python_processes()
     config.addinivalue_line("markers", "slow: left out of `make test-quick` (tests/tiers.py SLOW)")
     config.addinivalue_line("markers", "next: the JAX-version surface `make test-next` runs "

@@ -54,8 +54,32 @@ SLOW = {
     # trained models and whole train steps
     "test_eval_passkey.py::test_cli_user_errors_are_one_line": "on the suite's trained run",
     "test_eval_passkey.py::test_layout_path_matches_one_device_dense": "compiles the scorer twice",
-    "test_hf_convert.py::test_greedy_generation_gives_transformers_tokens": "generation, ~7 s",
+    "test_hf_convert.py::test_greedy_generation_gives_transformers_tokens": "generation",
     "test_data_tfds.py::test_tfds_source": "builds a TFDS dataset",
+    "test_host_devices.py::test_deciding_imports_no_jax": "a Python process",
+    "test_data_tokenizer.py::test_fingerprint_is_stable_across_copies_and_processes":
+        "a Python process",
+    # compiles of more than ~6 s each (their behaviour has lighter checks in the quick tier)
+    "test_plan.py::test_json_has_the_fields_scripts_read": "the tiny plan compiled",
+    "test_plan.py::test_tiny_plan_memory_within_2x_of_the_real_run": "the tiny plan run",
+    "test_plan.py::test_doubling_sequence_axis_halves_activation_memory": "a step compiled",
+    "test_plan.py::test_memory_grows_linearly_with_sequence_length": "a step compiled",
+    "test_plan.py::test_strategies_in_the_plan": "the tiny plan compiled",
+    "test_remat.py::test_each_budget_picks_the_least_recompute_that_fits": "3 steps compiled",
+    "test_remat.py::test_nothing_fits_is_one_line": "a step compiled",
+    "test_remat.py::test_the_run_keeps_auto_and_the_trainer_gets_the_policy": "steps compiled",
+    "test_kv_cache.py::test_sampling_follows_the_seed_as_without_a_cache": "generating, twice",
+    "test_kv_cache.py::test_sliding_window_and_eos_and_a_stop_rule": "generating",
+    "test_kv_cache.py::test_a_sharded_batch_and_the_tensor_axis": "generating on a 2x2x2 mesh",
+    "test_attention.py::test_no_quadratic_residuals_under_remat_scan_grad": "2 layer scans compiled",
+    "test_attention.py::test_explicit_mesh_under_scan_and_grad": "a layer scan compiled",
+    "test_cudnn.py::test_cudnn_ring_matches_reference": "the stand-in's rings",
+    "test_cudnn.py::test_cudnn_ring_with_a_window": "the stand-in's ring",
+    "test_cudnn.py::test_cudnn_in_every_strategy": "the stand-in through each strategy",
+    "test_window.py::test_window_matches_reference_in_every_layout": "early-stop and full rings",
+    "test_window.py::test_window_in_every_strategy": "early-stop rings",
+    "test_hf_convert.py::test_qwen2_greedy_generation_gives_transformers_tokens": "generation",
+    "test_hf_convert.py::test_mistral_greedy_generation_gives_transformers_tokens": "generation",
     "test_eval_passkey.py::test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_not":
         "600+ training steps",
     "test_state.py": "train steps on several meshes, microbatches, 12 bf16 steps",
@@ -72,4 +96,63 @@ SLOW = {
 # restore and reshard, jax.distributed start-up, the compiled program's memory, the profiler's
 # trace, and one tiny end-to-end train, resume and generate.
 NEXT = {
+    # Pallas: interpret mode (Triton and Mosaic semantics), the Mosaic lowering, Triton's cubins
+    "test_kernels.py::test_fused_ring_matches_reference[pallas_gpu-2-mha-causal-float32]": "Triton",
+    "test_kernels.py::test_fused_ring_matches_reference[pallas_tpu-1-mha-causal-bfloat16]": "Mosaic",
+    "test_kernels.py::test_group_of_7_query_heads_per_kv_head_in_every_strategy_and_kernel"
+    "[ulysses-pallas_gpu]": "Pallas under all_to_all",
+    "test_kernels.py::test_tpu_kernels_lower_to_mosaic": "Mosaic lowering",
+    "test_kernels.py::test_dense_impl_uses_the_fused_kernel": "the kernel registry on a jit",
+    "test_window.py::test_window_in_the_fused_kernels": "the window in both Pallas kernels",
+    "test_gpu_compile.py::test_default_gpu_kernels_compile_clean": "Triton cubins for sm_80/sm_90",
+    "test_gpu_compile.py::test_tpu_kernels_lower_and_fit_vmem": "Mosaic's VMEM",
+    # exports for cuda (custom calls: cuDNN)
+    "test_cudnn.py::test_the_ring_exports_for_cuda_with_one_cudnn_call_per_case": "jax.export",
+    "test_cudnn.py::test_a_window_exports_as_sliding_window_length": "jax.export",
+    "test_cudnn.py::test_cudnn_in_every_strategy[ring-2-kw1-False]": "the stand-in in a ring",
+    # shard_map, ppermute, all_to_all, all_gather/reduce-scatter, typed varying values
+    "test_attention.py::test_ring_matches_reference_in_every_layout[2-gqa4-causal-float32]":
+        "the ring, every layout, forward and backward",
+    "test_attention.py::test_ring_traffic": "ppermute counts in the compiled program",
+    "test_attention.py::test_explicit_mesh_under_scan_and_grad": "jax.set_mesh, scan, grad",
+    "test_usp.py::test_usp_matches_reference[u4-ring2-gqa2-packed]": "all_to_all inside a ring",
+    "test_usp.py::test_ulysses_matches_reference[n4-mha-causal]": "all_to_all",
+    "test_usp.py::test_usp_traffic": "collectives in the compiled program",
+    "test_allgather.py::test_allgather_with_reduce_scatter": "all_gather and reduce-scatter",
+    "test_allgather.py::test_allgather_traffic": "collectives in the compiled program",
+    "test_window.py::test_early_stop_sends_fewer_hops": "the early-stopped ring's ppermutes",
+    "test_window.py::test_window_in_every_strategy[allgather-4-None-heads1]": "a windowed gather",
+    # the Flax NNX model, its layer scan, remat and host offload; the sharded train step
+    "test_model.py::test_shapes_and_dtype": "NNX modules and the scanned stack",
+    "test_model.py::test_layout_permutation_is_invisible[striped-2]": "the model on a mesh",
+    "test_model.py::test_offload_input_keeps_only_the_layer_inputs_and_on_the_host":
+        "remat policies and memory kinds",
+    "test_model.py::test_every_context_parallel_impl_gives_the_dense_logits[usp-4]": "usp model",
+    "test_loss.py::test_chunked_equals_full_in_float64[mesh1-8]": "the chunked loss's scan",
+    "test_state.py::test_sharded_step_equals_single_device_step[ring-striped-mesh1-chunks1]":
+        "a sharded train step against one device",
+    "test_plan.py::test_compiled_program_does_not_grow_with_depth": "XLA's memory analysis",
+    # orbax: save, restore, reshard onto another mesh
+    "test_checkpoints.py::test_restore_newest_and_its_data_state": "orbax save and restore",
+    "test_checkpoints.py::test_keeps_the_newest_and_the_milestones": "orbax's manager",
+    "test_checkpoints.py::test_every_checkpoint_unreadable_is_one_error_and_nothing_moves":
+        "orbax's read errors",
+    "test_checkpoints.py::test_a_shape_mismatch_is_a_user_error_not_damage": "orbax's errors",
+    "test_checkpoints.py::test_a_non_finite_checkpoint_is_skipped_in_one_line_and_set_aside":
+        "orbax restore",
+    "test_checkpoints.py::test_orphaned_read_errors_of_a_skipped_checkpoint_are_dropped_and_nothing_else":
+        "orbax's asyncio futures",
+    "test_resume.py::test_restore_onto_four_devices_contiguous": "orbax reshards",
+    # one tiny end-to-end train (the shared reference run), stop, resume and generate
+    "test_resume.py::test_sigterm_finishes_the_step_saves_and_exits_zero": "train.py, SIGTERM",
+    "test_resume.py::test_resume_after_sigterm_continues_bit_for_bit": "resume",
+    "test_generate_eval.py::test_generate_greedy_matches_the_model_and_json_alone_prints_one_object":
+        "generate.py",
+    # jax.distributed start-up (gloo), and its timeout
+    "test_multiprocess.py::test_launcher_stops_everyone_when_one_process_fails":
+        "2 processes join over jax.distributed",
+    "test_cluster.py::test_a_host_that_never_arrives_ends_the_run_in_one_line":
+        "jax.distributed's timeout",
+    # the profiler's trace
+    "test_profile.py::test_profile_of_a_cpu_step_adds_up_to_the_step": "jax.profiler's trace",
 }
