@@ -84,9 +84,14 @@ def pytest_collection_modifyitems(session, config, items):
                  ("next", tiers.NEXT)) for entry in table if (name, entry) not in used
                  and (entry.split("::")[0] in files
                       or not os.path.exists(os.path.join(here, entry.split("::")[0])))]
+        stale += [f"FIRST: {f}" for f in tiers.FIRST if not os.path.exists(os.path.join(here, f))]
         if stale:
             raise pytest.UsageError("tests/tiers.py names tests that do not exist: "
                                     + "; ".join(stale))
+    # The files that take minutes first: the workers take whole files in collection order, and
+    # a long file handed out last would run on alone at the end.
+    rank = {name: i for i, name in enumerate(tiers.FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].split("/")[-1], len(rank)))
     tier = config.getoption("tier")
     if tier == "all":
         return
@@ -132,4 +137,6 @@ if os.environ.get("STRIPEDJAX_TEST_CPU"):
         (s1, c1), w1 = cpu(), time.monotonic()
         with open(os.environ["STRIPEDJAX_TEST_CPU"], "a") as f:
             f.write(json.dumps({"test": item.nodeid, "self": round(s1 - s0, 2),
-                                "children": round(c1 - c0, 2), "wall": round(w1 - w0, 2)}) + "\n")
+                                "children": round(c1 - c0, 2), "wall": round(w1 - w0, 2),
+                                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                                "end": round(time.time(), 1)}) + "\n")

@@ -168,3 +168,9 @@ NEXT = {
     # the profiler's trace
     "test_profile.py::test_profile_of_a_cpu_step_adds_up_to_the_step": "jax.profiler's trace",
 }
+
+# The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py
+# on a full run): tests/conftest.py collects them first, so that none is handed out last.
+FIRST = ["test_readme_commands.py", "test_kernels.py", "test_multiprocess.py", "test_hf_convert.py",
+         "test_state.py", "test_harness.py", "test_plan.py", "test_kv_cache.py", "test_resume.py",
+         "test_attention.py"]
