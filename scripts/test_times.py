@@ -1,5 +1,6 @@
 """Where the test suite's time goes: CPU seconds per test file and the costliest tests, from the
-JSON lines tests/conftest.py writes when ``STRIPEDJAX_TEST_CPU`` names a file.
+JSON lines tests/conftest.py writes when ``STRIPEDJAX_TEST_CPU`` names a file, and when each
+pytest worker finished.
 
     STRIPEDJAX_TEST_CPU=bench_out/test_cpu.jsonl make test
     python scripts/test_times.py bench_out/test_cpu.jsonl [--top 15] [--scale 1.6]
@@ -33,6 +34,23 @@ def per_file(rows: list[dict]) -> list[tuple[str, int, float, float]]:
     return sorted(((f, n, cpu, wall) for f, (n, cpu, wall) in acc.items()), key=lambda x: -x[2])
 
 
+def per_worker(rows: list[dict]) -> list[tuple[str, int, float, float]]:
+    """(worker, tests, busy wall s, s from the first test's start to its own last end) per pytest
+    worker, from the lines that name them: a worker that ends long before the others shows the
+    suite's wall time waiting on one long file."""
+    timed = [r for r in rows if "worker" in r and "end" in r]
+    if not timed:
+        return []
+    start = min(r["end"] - r["wall"] for r in timed)
+    acc = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for r in timed:
+        a = acc[r["worker"]]
+        a[0] += 1
+        a[1] += r["wall"]
+        a[2] = max(a[2], r["end"] - start)
+    return sorted((w, n, busy, end) for w, (n, busy, end) in acc.items())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("path")
@@ -51,6 +69,11 @@ def main(argv=None) -> int:
     print("\n| file | tests | CPU min | wall min (summed over workers) |\n|---|---|---|---|")
     for f, n, cpu, wall in per_file(rows):
         print(f"| {f.split('/')[-1]} | {n} | {cpu * k / 60:.2f} | {wall * k / 60:.2f} |")
+    workers = per_worker(rows)
+    if workers:
+        print("\n| worker | tests | busy min | last test ends (min) |\n|---|---|---|---|")
+        for w, n, busy, end in workers:
+            print(f"| {w} | {n} | {busy * k / 60:.2f} | {end * k / 60:.2f} |")
     print(f"\n| the {args.top} costliest tests | CPU s |\n|---|---|")
     for r in sorted(rows, key=lambda r: -(r["self"] + r["children"]))[:args.top]:
         print(f"| {r['test'].split('tests/', 1)[-1]} | {(r['self'] + r['children']) * k:.1f} |")

@@ -36,3 +36,26 @@ def test_per_file_sums_and_orders_by_cpu(tmp_path, rng, capsys):
 def test_a_missing_file_is_one_line(tmp_path, capsys):
     assert tt.main([str(tmp_path / "nope.jsonl")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nope.jsonl'}: ")
+
+
+def test_per_worker_busy_time_and_last_end(rng):
+    start = 1.7e9 + float(rng.uniform(0, 1e6))
+    rows, want = [], {}
+    for w in ("gw0", "gw1", "gw2"):
+        t = start + float(rng.uniform(0, 3))  # each worker's first test starts a little apart
+        busy = 0.0
+        for _ in range(int(rng.integers(1, 6))):
+            wall = float(rng.uniform(0.1, 30))
+            t += wall
+            busy += wall
+            rows.append({"test": "tests/test_a.py::t", "self": 0.0, "children": 0.0,
+                         "wall": wall, "worker": w, "end": t})
+        want[w] = (busy, t)
+    rows.append({"test": "tests/test_b.py::old", "self": 1.0, "children": 0.0, "wall": 1.0})
+    first = min(r["end"] - r["wall"] for r in rows if "end" in r)
+    got = tt.per_worker(rows)
+    assert [g[0] for g in got] == ["gw0", "gw1", "gw2"]
+    for w, n, busy, end in got:
+        assert n == sum(r.get("worker") == w for r in rows)
+        assert abs(busy - want[w][0]) < 1e-6 and abs(end - (want[w][1] - first)) < 1e-6
+    assert tt.per_worker([{"test": "x", "self": 0, "children": 0, "wall": 1}]) == []
