@@ -25,6 +25,12 @@ BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids", "loss_mask")
 FAST_COMPILE = {"xla_backend_optimization_level": 0,
                 "xla_llvm_disable_expensive_passes": True,
                 "xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# For the init program, which runs once: on a CPU, LLVM's optimisation level 1 compiles it in
+# about half the CPU time of the default level (about 2 s of 4-5 for the tiny model) and gives
+# the same parameters to the bit (checked on the tiny, base and extend_tiny models, GQA, biases,
+# tied head, a tensor mesh, bf16 compute). Level 0 would be faster still but changes the last
+# bit of some weights. Other platforms compile it as they compile everything.
+INIT_COMPILE_CPU = {"xla_backend_optimization_level": 1}
 
 
 @flax.struct.dataclass
@@ -66,7 +72,9 @@ class Trainer:
                        opt_state=abstract_opt, bad_step=jax.ShapeDtypeStruct((), jnp.int32)),
             self.state_shardings)
 
-        self.init = jax.jit(self._init, out_shardings=self.state_shardings)
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        self.init = jax.jit(self._init, out_shardings=self.state_shardings,
+                            compiler_options=INIT_COMPILE_CPU if on_cpu else None)
         self.train_step = jax.jit(
             self._train_step, in_shardings=(self.state_shardings, self.batch_shardings),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
