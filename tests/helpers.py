@@ -194,3 +194,46 @@ def launcher_env() -> dict:
     e = dict(os.environ, JAX_PLATFORMS="cpu")
     e.pop("XLA_FLAGS", None)
     return e
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def initial_params(rng, config, abstract_params, biases=False):
+    """Parameters drawn from ``rng`` as the model's initialiser draws them, as numpy arrays in the
+    structure of ``abstract_params`` (a trainer's ``abstract_state.params``): normal at
+    ``init_std``, the untied embedding at std 1, the output projections (wo, w_down) at
+    ``init_std / sqrt(2 layers)``, norm scales 1, q/k/v biases 0 (``biases``: drawn at
+    ``init_std`` too, so that the forward uses them). Nothing of the initialiser compiles (its
+    program takes seconds to); that it draws the same parameters from a seed on any mesh:
+    tests/test_state.py, test_the_initialiser_draws_the_same_parameters_on_one_device_and_on_a_mesh
+    """
+    m = config.model
+    out_std = m.init_std / math.sqrt(2 * m.num_layers)
+    tied = bool(m.get("tie_embeddings", False))
+
+    def draw(path, x):
+        name = path[-1].key
+        if name == "scale":
+            return np.ones(x.shape, x.dtype)
+        if name in ("bq", "bk", "bv") and not biases:
+            return np.zeros(x.shape, x.dtype)
+        std = {"embed": m.init_std if tied else 1.0, "wo": out_std, "w_down": out_std}.get(
+            name, m.init_std)
+        return (std * rng.standard_normal(x.shape)).astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract_params)
+
+
+def initial_state(trainer, params):
+    """What ``trainer.init`` returns, with ``params`` (numpy or placed) for its parameters: step
+    0, the optimizer's initial state, no bad step, on the trainer's shardings."""
+    from training.state import TrainState
+
+    def state(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=trainer.optimizer.init(params),
+                          bad_step=jnp.full((), -1, jnp.int32))
+
+    return jax.jit(state, out_shardings=trainer.state_shardings)(
+        jax.device_put(params, trainer.param_shardings))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from helpers import initial_params, initial_state
 from parallel.layouts import permutation
 from model import flops
 from planning import cli, collectives, report, step_time
@@ -90,7 +91,7 @@ def test_json_has_the_fields_scripts_read(tiny_plan):
     assert js["collectives"]["collective-permute"]["count"] > 0
 
 
-def test_tiny_plan_memory_within_2x_of_the_real_run(tiny_plan):
+def test_tiny_plan_memory_within_2x_of_the_real_run(tiny_plan, rng):
     """Runs the compiled step on real arrays and measures what the process really touched.
 
     XLA CPU has no per-device memory stats, and the 8 simulated devices share one process, so
@@ -101,7 +102,9 @@ def test_tiny_plan_memory_within_2x_of_the_real_run(tiny_plan):
     plan, _ = tiny_plan
     program = plan["_programs"]["none"]
     trainer = program.trainer
-    state = trainer.init(0)
+    # the initialiser's state, its parameters drawn here (its program takes seconds to compile)
+    state = initial_state(trainer, initial_params(rng, program.config,
+                                                  trainer.abstract_state.params))
     batch = _real_batch(program.config, trainer)
     jax.block_until_ready((state, batch))
     inputs = sum(s.data.nbytes for a in jax.tree.leaves((state, batch)) for s in a.addressable_shards)

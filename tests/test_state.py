@@ -1,10 +1,12 @@
 """The sharded loss and gradients equal the single-device ones (dense, natural order, the whole
-logits); with the chunked loss and MLP too; k microbatches equal one batch; bf16 tracks fp32."""
+logits); with the chunked loss and MLP too; k microbatches equal one batch; bf16 tracks fp32; the
+initialiser draws the same parameters on one device as on a mesh."""
 import jax
 import numpy as np
 import pytest
 
 from configs import tiny
+from helpers import initial_params, initial_state
 from parallel.layouts import permutation
 from parallel.mesh import make_mesh
 from training.state import Trainer
@@ -51,14 +53,19 @@ def loss_and_grad(impl, layout, mesh, devices, chunks=(0, 0)):
     return _COMPILED[key]
 
 
-def run_step(impl, layout, mesh, devices, batch_np, seed, chunks=(0, 0)):
+def random_params(rng, trainer):
+    """Fresh parameters drawn as the initialiser draws them, the q/k/v biases too (nonzero, so
+    that the forward uses them): the same on every mesh, nothing of the initialiser compiled."""
+    return initial_params(rng, trainer.config, trainer.abstract_state.params, biases=True)
+
+
+def run_step(impl, layout, mesh, devices, batch_np, params_np, chunks=(0, 0)):
     trainer, step = loss_and_grad(impl, layout, mesh, devices, chunks)
     c = trainer.config
     perm = permutation(c.attention.layout, c.data.seq_len, trainer.mesh.shape["sequence"],
                        c.attention.stripe)
     batch = {k: jax.device_put(v[:, perm], trainer.batch_shardings[k]) for k, v in batch_np.items()}
-    state = trainer.init(seed)
-    (loss, _), grads = step(state.params, batch)
+    (loss, _), grads = step(jax.device_put(params_np, trainer.param_shardings), batch)
     return float(loss), jax.device_get(grads)
 
 
@@ -78,15 +85,32 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh, chunks):
     (model/loss.py, model/chunks.py; float64 exactness of the loss alone: test_loss.py) are
     checked through the whole decoder, sharded over every mesh axis."""
     rng = np.random.default_rng()
-    seed = int(rng.integers(0, 2**31))
     batch = natural_batch(rng, 4, 64, 101)
     one = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
-    ref_loss, ref_grads = run_step("dense", "contiguous", one, jax.devices()[:1], batch, seed)
-    loss, grads = run_step(impl, layout, mesh, jax.devices(), batch, seed, chunks)
+    params = random_params(rng, loss_and_grad("dense", "contiguous", one, jax.devices()[:1])[0])
+    ref_loss, ref_grads = run_step("dense", "contiguous", one, jax.devices()[:1], batch, params)
+    loss, grads = run_step(impl, layout, mesh, jax.devices(), batch, params, chunks)
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     assert np.abs(grads["blocks"]["attn"]["bk"]).max() > 0
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_the_initialiser_draws_the_same_parameters_on_one_device_and_on_a_mesh():
+    """``trainer.init(seed)`` on one device and on fsdp 2 x sequence 2 x tensor 2 (every axis
+    the parameters are split over; the q/k/v biases too): the same parameters, so a run's
+    start depends on its seed, not on its mesh. (The steps' tests above and below draw their
+    parameters with numpy: the initialiser's program takes seconds to compile.)"""
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    one = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
+    mesh = {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}
+    trainers = (loss_and_grad("dense", "contiguous", m, d)[0]
+                for m, d in ((one, jax.devices()[:1]), (mesh, jax.devices())))
+    single, sharded = (jax.device_get(t.init(seed).params) for t in trainers)
+    assert jax.tree.structure(sharded) == jax.tree.structure(single)
+    assert np.abs(sharded["blocks"]["attn"]["wq"]).max() > 0
+    for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_microbatches_equal_the_single_batch_step():
@@ -95,13 +119,12 @@ def test_microbatches_equal_the_single_batch_step():
     test_sharded_step_equals_single_device_step's ring step (compiled once for both)."""
     k = 2
     rng = np.random.default_rng()
-    seed = int(rng.integers(0, 2**31))
     batch_np = natural_batch(rng, 4, 64, 101)
     batch_np["loss_mask"][1] = 0  # an all-padding row
     batch_np["loss_mask"][2, 20:] = 0  # and a short one
     ref, ref_step = loss_and_grad("ring", "striped", RING, jax.devices(), RING_CHUNKS)
     batch = {key: jax.device_put(v, ref.batch_shardings[key]) for key, v in batch_np.items()}
-    state = ref.init(seed)
+    state = initial_state(ref, random_params(rng, ref))
     (loss1, count1), g1 = jax.device_get(ref_step(state.params, batch))
     c = config("ring", "striped", RING, RING_CHUNKS)
     c.train.microbatches = k
