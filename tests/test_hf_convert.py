@@ -276,26 +276,23 @@ def test_unsupported_models_and_bad_paths_are_one_line(rng, tmp_path, capsys):
 def test_train_from_an_import_then_export_to_transformers(rng, tmp_path):
     """The whole path: import, train.py from the import's weights at 4x its context with a
     raised RoPE base (configs/from_run.py), export the trained run (the HF side files come
-    from the import it started from), and transformers' logits from the export are ours."""
-    import subprocess
-    import sys
-
+    from the import it started from), and transformers' logits from the export are ours. The
+    training is train.py's entry after its flags (``--config configs/from_run.py:RUN_DIR
+    --config.a.b=v ...``), in this process: the path is what is checked, not a process start
+    (train.py from_run.py commands run as processes in tests/test_readme_commands.py)."""
     import tests.trained_run as tr
+    from configs.loading import load
     hf_model(rng, tmp_path / "hf", kv_heads=2)
     import_run(tmp_path / "hf", tmp_path / "base")
     text = tmp_path / "docs.jsonl"
     text.write_text("".join(json.dumps({"text": " ".join(rng.choice(["abc", "defg", "hij", "ba"], 80))})
                             + "\n" for _ in range(40)))
-    cmd = [sys.executable, str(tr.ROOT / "train.py"), "--config",
-           f"configs/from_run.py:{tmp_path / 'base'}", "--workdir", str(tmp_path / "long"),
-           "--config.data.seq_len=64", "--config.data.batch_size=4", "--config.data.source=jsonl",
-           f"--config.data.path={text}", "--config.data.cache_dir=" + str(tmp_path / "cache"),
-           "--config.model.rope_theta=400000.0", "--config.mesh.sequence=4",
-           "--config.attention.block_q=8", "--config.attention.block_kv=8",
-           "--config.train.steps=3", "--config.train.lr=1e-3", "--config.train.warmup_steps=0",
-           "--config.train.log_every=1", "--config.train.eval_batches=0"]
-    done = subprocess.run(cmd, cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True,
-                          timeout=300)
+    config = load(f"configs/from_run.py:{tmp_path / 'base'}", [
+        "data.seq_len=64", "data.batch_size=4", "data.source=jsonl", f"data.path={text}",
+        f"data.cache_dir={tmp_path / 'cache'}", "model.rope_theta=400000.0", "mesh.sequence=4",
+        "attention.block_q=8", "attention.block_kv=8", "train.steps=3", "train.lr=1e-3",
+        "train.warmup_steps=0", "train.log_every=1", "train.eval_batches=0"])
+    done = tr.entry_of(config, tmp_path / "long")
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"starting from the weights of step 0 ({tmp_path / 'base'}" in done.stdout + done.stderr
     assert convert_hf.main(["export", "--run", str(tmp_path / "long"), "--out",

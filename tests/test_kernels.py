@@ -543,18 +543,24 @@ def test_train_with_the_pallas_kernel_matches_xla(tmp_path):
     kernel: the same two steps (the run's own config.json, seed and batches from the same data
     pipeline and cache) run here in-process through training.state.Trainer with
     attention.kernel=xla. The second step's loss depends on the first step's gradients, so both
-    directions are checked. (train.py with the default kernel, auto = xla on a CPU, as a user
-    runs it: test_train_e2e.)"""
+    directions are checked. The run is train.py's entry after its flags, in this process (8
+    simulated devices, as a train.py process of the tiny config has): the kernel, not the
+    process, is what is checked. (train.py with the default kernel, auto = xla on a CPU, as a
+    user runs it, in a process of its own: test_train_e2e.)"""
     import json
     import ml_collections
+    import trained_run
+    from configs.loading import load
     from data.pipeline import make_pipeline
     from parallel.mesh import make_mesh
-    from test_train_e2e import losses, run_train
+    from test_train_e2e import losses
     from training.state import Trainer
     workdir = tmp_path / "pallas_gpu"
-    proc = run_train(workdir, "--config.attention.kernel=pallas_gpu", "--config.data.seq_len=128",
-                     "--config.data.batch_size=2", "--config.train.eval_batches=0",
-                     "--config.checkpoint.every=0")
+    sets = ["train.steps=2", "train.log_every=1", "train.eval_batches=0", "data.max_docs=120",
+            "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}",
+            "attention.kernel=pallas_gpu", "data.seq_len=128", "data.batch_size=2",
+            "checkpoint.every=0"]
+    proc = trained_run.entry_of(load("configs/tiny.py", sets), workdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     assert config.attention.kernel == "pallas_gpu"

@@ -61,6 +61,13 @@ def entry(workdir, **overrides) -> subprocess.CompletedProcess:
     """What train.py does after parsing its flags into ``config(**overrides)``, in this process:
     training/entry.py's main_with_errors (the run, its one-line errors and exit codes). Returns
     its exit code and what it printed, as a finished subprocess would."""
+    return entry_of(config(**overrides), workdir)
+
+
+def entry_of(config, workdir) -> subprocess.CompletedProcess:
+    """``entry`` for any config (e.g. ``configs.loading.load(FILE, ["a.b=v", ...])``, what
+    train.py's ``--config FILE --config.a.b=v`` gives): its run in this process, whose devices
+    (tests/conftest.py's 8 simulated CPUs) must hold the config's mesh."""
     import contextlib
     import io
 
@@ -68,7 +75,7 @@ def entry(workdir, **overrides) -> subprocess.CompletedProcess:
     from training.entry import main_with_errors
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main_with_errors(config(**overrides), pathlib.Path(workdir), Place("one process"))
+        code = main_with_errors(config, pathlib.Path(workdir), Place("one process"))
     return subprocess.CompletedProcess(["train.py", "--workdir", str(workdir)], code,
                                        out.getvalue(), err.getvalue())
 
