@@ -17,7 +17,8 @@ NEXT_STAMP := $(VENV_NEXT)/.installed
 NEXT_SKIP := --ignore=tests/test_rope.py --ignore=tests/test_window_hf.py --ignore=tests/test_hf_convert.py --ignore=tests/test_data_tfds.py --ignore=tests/test_harness.py
 # Three pytest workers, each taking whole files (tests in a file share fixtures and run in order):
 # most tests wait on one-threaded XLA compiles or on their subprocesses, so on two cores three keep
-# both busy (767 tests on one tree: 13 min 42 s with two, 12 min 20 s with three). TEST_WORKERS=0: one process.
+# both busy (767 tests on one tree: 13 min 42 s with two, 12 min 20 s with three; 822 tests,
+# 2026-12-03: 11 min 25 s with three and with four: both cores busy). TEST_WORKERS=0: one process.
 PYTEST := -m pytest -q -n $(or $(TEST_WORKERS),3) --dist loadfile
 # More pytest arguments for any test target (.ci/run: --durations=15).
 PYTEST_ARGS ?=
