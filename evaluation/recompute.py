@@ -10,6 +10,8 @@ prompt (a dynamic RoPE scaling reads it); causal masking by slot keeps them unse
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +25,11 @@ def window_size(prompt_len: int, max_new_tokens: int, seq_len: int) -> int:
     return min(seq_len, -(-(prompt_len + max_new_tokens) // 64) * 64)
 
 
+@functools.cache
 def make_step(graphdef, window: int, usable_vocab: int, sampling: Sampling):
-    """step(params, buf [window], n, key) -> (buf, n + 1, token): appends one picked token."""
+    """step(params, buf [window], n, key) -> (buf, n + 1, token): appends one picked token. One
+    jitted step per (model, window, vocabulary, sampling), kept for the process: a second prompt
+    or a benchmark's repeat runs the compiled program instead of tracing and compiling again."""
     slots = jnp.arange(window, dtype=jnp.int32)
     segments = jnp.ones((1, window), jnp.int32)
 

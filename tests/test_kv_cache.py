@@ -2,11 +2,7 @@
 (evaluation/recompute.py) on a random model: the same greedy tokens for every layout and
 context-parallel strategy on 4 simulated devices, in fp32 and bf16, for rows of different
 prompt lengths in one batch."""
-import functools
-import math
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,20 +11,12 @@ from configs import tiny
 from evaluation import recompute
 from evaluation.kv_cache import EMPTY, Generator, Sampling
 from evaluation.lengths import Buckets
+from helpers import initial_params
 from model.decoder import single_device_model
 from parallel.mesh import make_mesh
 from training.state import Trainer
 
 VOCAB = 256
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_reference_program_per_window():
-    """evaluation/recompute.py builds its jitted step on every call (one prompt each): here one
-    per (model, window, sampling) serves every prompt, as its program is the same."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(recompute, "make_step", functools.cache(recompute.make_step))
-        yield
 
 
 def config(layout="striped", impl="ring", dtype="float32", mesh=None, window=0):
@@ -45,23 +33,10 @@ def config(layout="striped", impl="ring", dtype="float32", mesh=None, window=0):
 
 
 def random_params(c, seed):
-    """Fresh normal weights from ``seed`` in the model's parameter structure (its abstract
-    parameters: nothing of the initialiser compiles), scaled as its own init draws them: norm
-    scales at 1, the embedding at std 1, the output projections at init_std / sqrt(2 layers),
-    every other weight at init_std. Parameters depend on neither dtype, window, layout nor
-    strategy."""
-    rng = np.random.default_rng(seed)
-    m = c.model
-
-    def draw(path, x):
-        name = path[-1].key
-        if name == "scale":
-            return jnp.ones(x.shape, x.dtype)
-        std = {"embed": 1.0, "wo": m.init_std / math.sqrt(2 * m.num_layers),
-               "w_down": m.init_std / math.sqrt(2 * m.num_layers)}.get(name, m.init_std)
-        return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, single_device_model(c)[1])
+    """Fresh weights from ``seed`` drawn as the model's initialiser draws them
+    (helpers.initial_params: nothing of the initialiser compiles). Parameters depend on neither
+    dtype, window, layout nor strategy."""
+    return initial_params(np.random.default_rng(seed), c, single_device_model(c)[1])
 
 
 def on_mesh(c, params):
