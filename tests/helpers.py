@@ -2,6 +2,7 @@
 running context-parallel attention in every layout, checking that a table of test cases covers
 every pair of values, counting the collectives of a jaxpr, and the tiny two-process training
 runs."""
+import json
 import math
 import os
 
@@ -226,14 +227,18 @@ def initial_params(rng, config, abstract_params, biases=False):
 
 
 def initial_state(trainer, params):
-    """What ``trainer.init`` returns, with ``params`` (numpy or placed) for its parameters: step
-    0, the optimizer's initial state, no bad step, on the trainer's shardings."""
-    from training.state import TrainState
-
-    def state(params):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=trainer.optimizer.init(params),
-                          bad_step=jnp.full((), -1, jnp.int32))
-
-    return jax.jit(state, out_shardings=trainer.state_shardings)(
+    """What ``trainer.init`` returns, with ``params`` (numpy or placed) for its parameters."""
+    return jax.jit(trainer.state_of, out_shardings=trainer.state_shardings)(
         jax.device_put(params, trainer.param_shardings))
+
+
+def logged_step(metrics) -> int:
+    """The newest complete record of a run's metrics.jsonl while it is being written (0 before
+    the first): a half-written last line is skipped."""
+    steps = [0]
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:  # a line still being written
+            pass
+    return max(steps)

@@ -101,7 +101,10 @@ class Trainer:
 
     def _init(self, seed):
         model = Decoder(self.config.model, self.backend, nnx.Rngs(jax.random.key(seed)))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return self.state_of(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+    def state_of(self, params) -> TrainState:
+        """The step-0 state around ``params``: the optimizer's initial state, no bad step."""
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=self.optimizer.init(params),
                           bad_step=jnp.full((), -1, jnp.int32))
