@@ -18,9 +18,9 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 # 2 and 4 devices (8 gathers more blocks through the same program), MHA in fp32 and GQA in
-# bf16 (fp32 GQA on 4 devices: test_allgather_with_reduce_scatter below, test_kernels'
-# non-causal [allgather-xla-mixed]); causal without segment ids: the reduce-scatter test and
-# test_window's allgather case.
+# bf16 (fp32 GQA on 4 devices: test_allgather_with_reduce_scatter below; a fused kernel:
+# test_kernels' group_of_7[allgather-pallas_tpu]); causal without segment ids: the
+# reduce-scatter test.
 @pytest.mark.parametrize("n,heads,mask,dtype", [(2, "mha", "packed", "float32"),
                                                 (4, "gqa4", "packed", "bfloat16")])
 def test_allgather_matches_reference(rng, n, heads, mask, dtype):

@@ -3,7 +3,7 @@
 cuDNN cannot run on a CPU, so the round decomposition (each round's case from its positions,
 the strictly-lower slice, the zigzag halves, the fp32 LSE merge, the backward fed the global
 output and LSE) runs here with the dense stand-in behind the same contract, against the float64
-reference in every layout, strategy and window. The real cuDNN calls are checked by exporting
+reference in every layout and window, and through the strategies' own round shapes. The real cuDNN calls are checked by exporting
 the whole ring, forward and backward, for ``cuda``: which calls, which masks, which operands.
 """
 import os
@@ -16,7 +16,7 @@ import pytest
 from jax import export
 
 from errors import KernelError
-from helpers import (B, L, inputs, random_segments, reference, check, ring_mesh, ring_outputs,
+from helpers import (B, L, inputs, reference, check, ring_mesh, ring_outputs,
                      run_all_layouts)
 from parallel import kernels
 from parallel.kernels import cudnn, predicate

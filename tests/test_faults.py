@@ -123,7 +123,7 @@ def test_orbax_failures_left_in_asyncio_futures_are_not_logged_and_others_are(ca
             "Task exception was never retrieved", "something else in asyncio"]
 
 
-# -- a full disk ------------------------------------------------------------------------------
+# -- a full disk, read from a file with bad records -------------------------------------------
 def mount_works() -> bool:
     if not shutil.which("unshare"):
         return False
@@ -146,7 +146,6 @@ def train_on_small_disk(workdir, size_bytes, **overrides):
         cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True, timeout=240)
 
 
-# -- a full disk, read from a file with bad records -------------------------------------------
 def corpus(path):
     """Stdlib docstrings as jsonl with one torn line (line 40) and one not UTF-8 (line 70)."""
     import argparse, bisect, csv, difflib, fractions, heapq  # noqa: E401
@@ -161,7 +160,8 @@ def corpus(path):
 def full_disk(recovered):
     """A run reading a jsonl file with bad records (data.bad_records=skip) whose checkpoints
     fill their disk at the save of step 4, then the same command on a disk with room. Returns
-    (workdir, the data file, where the checkpoints were written, the two runs)."""
+    (workdir, the data file, the names the checkpoint directory held after the full run, whether
+    step 2's checkpoint was complete then, the full run, the resumed run)."""
     workdir = tr.SESSION / "full_disk"
     data = tr.SESSION / "docs.jsonl"
     corpus(data)

@@ -238,11 +238,8 @@ def test_a_new_kernel_is_one_module_and_one_registry_entry(rng, monkeypatch):
 # test_group_of_7_query_heads_per_kv_head_in_every_strategy_and_kernel (group 7, both kernels),
 # and a default tile clamped to a CPU's chunk is one tile a chunk, which the Pallas train.py run
 # below runs (its 64-position tiles on chunks of 32).
-ANY_GROUPS = [(k, g) for k in PALLAS for g in (3, 5, 6, 7)]
-
-
 if FULL_MATRIX:  # collected with the full matrix only (covered by default as said above)
-    @pytest.mark.parametrize("kernel,group", ANY_GROUPS)
+    @pytest.mark.parametrize("kernel,group", [(k, g) for k in PALLAS for g in (3, 5, 6, 7)])
     def test_any_group_with_default_tiles(rng, kernel, group):
         """GQA groups that are no power of two, with the kernels' default tiles (clamped to the
         chunk here), packed documents, every layout, against the float64 reference. A ring of
@@ -508,13 +505,8 @@ def test_bench_kernels_runs_and_agrees(tmp_path, capsys):
     backward, the Pallas one in interpret mode (~8 s a case). The diagonal and full rounds run
     on a GPU in scripts/device_check.sh; here test_cudnn runs every round case in the ring
     against float64 and exports each one's cuDNN call."""
-    import importlib.util
     import json
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "bench_kernels", os.path.join(root, "scripts", "bench_kernels.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from scripts import bench_kernels as bench
     out = tmp_path / "bench.json"
     assert bench.main(["--chunks", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
                        "--block", "8", "--xla-block", "8", "--repeats", "1", "--cases", "striped",

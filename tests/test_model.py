@@ -34,7 +34,8 @@ def small_config():
 
 def random_weights(rng, abstract, std):
     """``abstract``'s module (``nnx.eval_shape``) with normal weights: norm scales at 1, the
-    embedding at std 1, every other weight at ``std`` (the model's own init draws the same way)."""
+    embedding at std 1, every other weight at ``std``, the output projections too (the model's
+    own init draws those at std / sqrt(2 layers): these tests need weights, not its scales)."""
     graphdef, state = nnx.split(abstract)
 
     def draw(path, x):

@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from helpers import TWO_PROCESS_TINY, launcher_env
+from helpers import TWO_PROCESS_TINY, launcher_env, logged_step
 from parallel.schedule import work
+from training.supervisor import newest_complete
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = TWO_PROCESS_TINY
@@ -94,26 +95,10 @@ def launch(workdir, extra=()) -> list[subprocess.Popen]:
     return [start_host(workdir, port, i, extra) for i in (0, 1)]
 
 
-def newest_complete_step(ckpt) -> int:
-    return max((int(p.name) for p in ckpt.iterdir()
-                if p.name.isdigit() and (p / "commit_success.txt").is_file()), default=0)
-
-
 def records(workdir) -> dict[int, dict]:
     """metrics.jsonl by step (loss, grad_norm, lr; not the timings)."""
     return {r["step"]: {k: r[k] for k in ("loss", "grad_norm", "lr")}
             for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
-
-
-def logged_step(metrics) -> int:
-    """The newest complete record of a metrics.jsonl being written."""
-    steps = [0]
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        try:
-            steps.append(json.loads(line)["step"])
-        except ValueError:  # a line still being written
-            pass
-    return max(steps)
 
 
 def run_past_a_save(host, workdir, after: int) -> int:
@@ -124,7 +109,7 @@ def run_past_a_save(host, workdir, after: int) -> int:
     deadline = time.monotonic() + 300
     while True:
         assert host.poll() is None and time.monotonic() < deadline, host.poll()
-        saved = newest_complete_step(ckpt) if ckpt.is_dir() else 0
+        saved = newest_complete(ckpt) or 0
         if saved > after and logged_step(metrics) >= saved + 2:
             return saved
         time.sleep(0.05)
@@ -140,7 +125,9 @@ def dead_peer(tmp_path_factory):
     """Launch 1: process 1's host dies (SIGKILL of its process group) two steps past a save."""
     workdir = tmp_path_factory.mktemp("peers") / "run"
     hosts = launch(workdir)
-    run_past_a_save(hosts[0], workdir, 0)
+    saved = run_past_a_save(hosts[0], workdir, 0)
+    # launch 2 must find a save after this one with two steps to log past it, before STEPS
+    assert saved + EVERY + 2 <= STEPS, f"the first launch ran to step {saved} before the kill"
     killed = time.monotonic()
     os.killpg(hosts[1].pid, signal.SIGKILL)  # the host: its process and the training it watches
     code = hosts[0].wait(timeout=HEARTBEAT_S + 60)
@@ -148,7 +135,7 @@ def dead_peer(tmp_path_factory):
     err = hosts[0].communicate()[1]
     hosts[1].wait()
     return {"workdir": workdir, "code": code, "took": took, "err": err,
-            "step": newest_complete_step(workdir / "checkpoints"), "records": records(workdir),
+            "step": newest_complete(workdir / "checkpoints") or 0, "records": records(workdir),
             "log": (workdir / "logs" / "process0.log").read_text()}  # a relaunch starts it anew
 
 
@@ -173,7 +160,7 @@ def stuck_peer(dead_peer):
         os.killpg(hosts[1].pid, signal.SIGKILL)
         hosts[1].wait()
     return {"workdir": workdir, "code": code, "took": took, "out": out, "err": err,
-            "step": newest_complete_step(workdir / "checkpoints"), "records": records(workdir)}
+            "step": newest_complete(workdir / "checkpoints") or 0, "records": records(workdir)}
 
 
 def same_steps(got: dict, want: dict, after: int):

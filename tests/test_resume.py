@@ -22,6 +22,7 @@ import pytest
 
 import trained_run as tr
 from errors import CheckpointError, ConfigError
+from helpers import logged_step
 from checkpoints.manager import Checkpoints
 from parallel.layouts import permutation
 from parallel.mesh import make_mesh
@@ -33,21 +34,6 @@ STOP_AFTER = 10  # SIGTERM once the interrupted run has logged this step (after 
 def newest_periodic_before(s: int) -> int:
     """The newest periodic checkpoint strictly before step ``s``."""
     return tr.EVERY * ((s - 1) // tr.EVERY)
-
-
-def last_step(metrics_path) -> int:
-    """Newest complete record of a metrics.jsonl being written."""
-    try:
-        lines = metrics_path.read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    steps = [0]
-    for line in lines:
-        try:
-            steps.append(json.loads(line)["step"])
-        except ValueError:
-            pass
-    return max(steps)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +53,7 @@ def interrupted(reference):
                                 stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 240
         while proc.poll() is None and time.time() < deadline:
-            if last_step(workdir / "metrics.jsonl") >= STOP_AFTER:
+            if logged_step(workdir / "metrics.jsonl") >= STOP_AFTER:
                 proc.send_signal(signal.SIGTERM)
                 break
             time.sleep(0.02)

@@ -99,8 +99,8 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh, chunks):
 def test_the_initialiser_draws_the_same_parameters_on_one_device_and_on_a_mesh():
     """``trainer.init(seed)`` on one device and on fsdp 2 x sequence 2 x tensor 2 (every axis
     the parameters are split over; the q/k/v biases too): the same parameters, so a run's
-    start depends on its seed, not on its mesh. (The steps' tests above and below draw their
-    parameters with numpy: the initialiser's program takes seconds to compile.)"""
+    start depends on its seed, not on its mesh. (The sharded-step and microbatch tests draw
+    their parameters with numpy: the initialiser's program takes seconds to compile.)"""
     seed = int(np.random.default_rng().integers(0, 2**31))
     one = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
     mesh = {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}

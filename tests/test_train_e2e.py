@@ -27,8 +27,7 @@ def run_train(workdir, *overrides, devices=8):
 @functools.cache
 def two_step_run() -> tuple[pathlib.Path, subprocess.CompletedProcess]:
     """(workdir, process) of run_train's two steps with the defaults (kernel auto: xla on a
-    CPU; remat auto: none, the tiny config's own, on a CPU with no budget), run once per session: this file checks what it writes, and test_kernels compares the
-    Pallas kernel's losses with its own."""
+    CPU; remat auto: none, the tiny config's own, on a CPU with no budget), run once per session: this file checks what it writes."""
     workdir = SESSION / "run"
     return workdir, run_train(workdir, "--config.model.remat=auto")
 

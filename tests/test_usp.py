@@ -28,7 +28,8 @@ def test_ulysses_matches_reference(rng, n, heads, mask):
 
 # Ulysses groups of 4 in a ring of 2 groups, every layout. Groups of 2 in a ring of 2: the
 # explicit-mesh test below (heads also over tensor, zigzag), test_kernels' non-causal
-# [usp-xla-mixed] (every layout) and group_of_7[usp-pallas_gpu] (a fused kernel); in a ring of
+# [usp-xla-mixed] (every layout; a fused kernel under the same all-to-all: group_of_7's
+# [ulysses-pallas_gpu], ulysses being usp with U = N); in a ring of
 # 4 groups: test_window's test_window_in_every_strategy[usp-8-2-heads0] (with a window, which
 # cuts it short in the contiguous layout, and the full ring); usp in bf16: test_kv_cache.
 @pytest.mark.parametrize("u,ring,heads,mask", [(4, 2, (8, 4), "packed")],

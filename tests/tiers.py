@@ -15,7 +15,7 @@ must name a test that exists: the full collection (``pytest tests``) fails on on
 # Pallas kernels in interpret mode, lm_eval, and the few compiles of whole train steps that take
 # more than ~10 s each.
 SLOW = {
-    # processes
+    # processes, and whole runs
     "test_readme_commands.py::test_printed_command_runs": "every printed command, a process each",
     "test_checkpoints.py::test_stop_on_signal_test_holds_when_started_with_sigint_ignored":
         "runs pytest in a background shell",
@@ -33,10 +33,13 @@ SLOW = {
     "test_generate_eval.py": "generate.py and eval.py on a trained run",
     "test_gpu_compile.py": "Triton compiles in a process",
     "test_harness.py": "lm_eval on a trained run",
-    "test_hf_convert.py::test_train_from_an_import_then_export_to_transformers": "train.py",
-    "test_hf_convert.py::test_eval_and_passkey_read_an_import_as_it_is": "eval.py, eval_passkey.py",
-    "test_kernels.py::test_bench_kernels_runs_and_agrees": "bench_kernels.py",
-    "test_kernels.py::test_train_with_the_pallas_kernel_matches_xla": "train.py",
+    "test_hf_convert.py::test_train_from_an_import_then_export_to_transformers":
+        "a whole run (train.py's entry, in process)",
+    "test_hf_convert.py::test_eval_and_passkey_read_an_import_as_it_is":
+        "eval.py and eval_passkey.py main(), their programs compiled",
+    "test_kernels.py::test_bench_kernels_runs_and_agrees": "bench_kernels.py main(), its compiles",
+    "test_kernels.py::test_train_with_the_pallas_kernel_matches_xla":
+        "a whole run in Pallas interpret mode (train.py's entry, in process)",
     "test_multiprocess.py": "several processes, one run",
     "test_plan.py::test_a_mesh_or_config_that_does_not_divide_gives_one_line": "plan.py",
     "test_resume.py": "train.py runs, stopped and resumed",
