@@ -39,6 +39,8 @@ EMPTY = 2**30  # the position of a slot holding no token
 CACHE = P(None, BATCH_AXES, "sequence", "tensor", None)  # [layers, B, slots, Hkv, D]
 ROWS = P(BATCH_AXES, "sequence")  # [B, slots]
 TOKEN = P(BATCH_AXES, None, "tensor", None)  # one token's q, k or v [B, 1, H, D]
+LAYER = P(BATCH_AXES, "sequence", "tensor", None)  # one layer's cache [B, slots, Hkv, D]
+CACHE_TOKEN = P(None, BATCH_AXES, None, "tensor", None)  # every layer's new k or v [layers, B, 1, Hkv, D]
 
 
 class Cache(NamedTuple):
@@ -75,15 +77,14 @@ def pick(logits_BV, key, sampling: Sampling, usable_vocab: int):
     return jax.vmap(jax.random.categorical)(keys, logits_BV).astype(jnp.int32)
 
 
-def _attend_local(q_B1HD, k_B1KD, v_B1KD, kc, vc, pos_BC, layer, pos_B, *, window):
-    """Per device: one query per row against this device's cached slots of ``layer``, merged
+def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BCKD, v_BCKD, pos_BC, pos_B, *, window):
+    """Per device: one query per row against this device's cached slots of one layer, merged
     across ``sequence`` by logsumexp, then with the token's own key (which sees itself)."""
     b, _, hq, d = q_B1HD.shape
     hkv = k_B1KD.shape[2]
     f32 = jnp.float32
     q_BKGD = q_B1HD[:, 0].reshape(b, hkv, hq // hkv, d).astype(f32) * (1.0 / math.sqrt(d))
-    k_BCKD = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False).astype(f32)
-    v_BCKD = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False).astype(f32)
+    k_BCKD, v_BCKD = k_BCKD.astype(f32), v_BCKD.astype(f32)
     s_BKGC = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD)
     seen_BC = predicate.visible(pos_B[:, None], pos_BC, None, None, causal=True,
                                 window=window)[:, 0]
@@ -103,14 +104,13 @@ def _attend_local(q_B1HD, k_B1KD, v_B1KD, kc, vc, pos_BC, layer, pos_B, *, windo
     return o_BKGD.reshape(b, 1, hq, d).astype(q_B1HD.dtype)
 
 
-def _write_local(cache, new_B1KD, layer, slot, owner):
-    """Writes the token's keys (or values) into ``slot`` of ``layer`` on device ``owner``, in
+def _write_local(cache, new_LB1KD, slot, owner):
+    """Writes the token's keys (or values) of every layer into ``slot`` on device ``owner``, in
     place: the other devices write back what the slot held."""
     mine = jax.lax.axis_index("sequence") == owner
-    at = (layer, 0, slot, 0, 0)
-    old = jax.lax.dynamic_slice(cache, at, (1, *new_B1KD.shape))
-    return jax.lax.dynamic_update_slice(cache, jnp.where(mine, new_B1KD[None].astype(cache.dtype),
-                                                         old), at)
+    old = jax.lax.dynamic_slice_in_dim(cache, slot, 1, axis=2)
+    return jax.lax.dynamic_update_slice_in_dim(
+        cache, jnp.where(mine, new_LB1KD.astype(cache.dtype), old), slot, axis=2)
 
 
 def _write_pos_local(pos_BC, pos_B, slot, owner):
@@ -158,10 +158,10 @@ class Generator:
         token's keys and values written at slot ``prompt_slots + t // S`` of device ``t % S``."""
         graphdef, mesh, vocab, S = self.trainer.graphdef, self.mesh, self.usable_vocab, self.shards
         attend = jax.shard_map(functools.partial(_attend_local, window=self.window), mesh=mesh,
-                               in_specs=(TOKEN, TOKEN, TOKEN, CACHE, CACHE, ROWS, P(),
+                               in_specs=(TOKEN, TOKEN, TOKEN, LAYER, LAYER, ROWS,
                                          P(BATCH_AXES)),
                                out_specs=TOKEN)
-        write = jax.shard_map(_write_local, mesh=mesh, in_specs=(CACHE, TOKEN, P(), P(), P()),
+        write = jax.shard_map(_write_local, mesh=mesh, in_specs=(CACHE, CACHE_TOKEN, P(), P()),
                               out_specs=CACHE)
         write_pos = jax.shard_map(_write_pos_local, mesh=mesh,
                                   in_specs=(ROWS, P(BATCH_AXES), P(), P()), out_specs=ROWS)
@@ -174,23 +174,24 @@ class Generator:
             slot, owner = prompt_slots + t // S, t % S
             pos_B1 = pos_B[:, None]
 
-            def layer(carry, xs):
-                x_B1D, kc, vc = carry
-                layer_state, i = xs
+            # The cache is read layer by layer as the scan's input, not carried: a carried
+            # cache written inside the loop is copied whole by XLA at every layer (layers x
+            # cache bytes a token). Each layer's new keys and values come out of the scan and
+            # are written at once, in place, after it.
+            def layer(x_B1D, xs):
+                layer_state, kc_BCKD, vc_BCKD = xs
                 # one token per row: whole on every sequence device (the weights' embed axis
                 # is split over fsdp x sequence, which would otherwise split D here)
                 x_B1D = jax.lax.with_sharding_constraint(x_B1D, token_rows)
                 block = nnx.merge(block_def, layer_state)
-                x_B1D, (k_B1KD, v_B1KD) = block.attend(
+                return block.attend(
                     x_B1D, pos_B1, None,
-                    attention=lambda q, k, v: attend(q, k, v, kc, vc, cache.pos, i, pos_B))
-                return (x_B1D, write(kc, k_B1KD, i, slot, owner),
-                        write(vc, v_B1KD, i, slot, owner)), None
+                    attention=lambda q, k, v: attend(q, k, v, kc_BCKD, vc_BCKD, cache.pos, pos_B))
 
-            layers = jnp.arange(model.num_layers, dtype=jnp.int32)
-            (x_B1D, kc, vc), _ = jax.lax.scan(
-                layer, (model.embed_tokens(token_B[:, None]), cache.k, cache.v), (stacked, layers))
-            new = Cache(kc, vc, write_pos(cache.pos, pos_B, slot, owner))
+            x_B1D, (k_LB1KD, v_LB1KD) = jax.lax.scan(
+                layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v))
+            new = Cache(write(cache.k, k_LB1KD, slot, owner), write(cache.v, v_LB1KD, slot, owner),
+                        write_pos(cache.pos, pos_B, slot, owner))
             return new, pick(model.next_logits(x_B1D[:, 0]), key, sampling, vocab)
 
         return jax.jit(decode, donate_argnums=(1,),

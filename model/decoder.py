@@ -120,7 +120,12 @@ class Decoder(nnx.Module):
 
     def next_logits(self, x_BD):
         """fp32 next-token logits [B, V] of last-block outputs [B, D] (generation)."""
-        return jnp.einsum("bd,dv->bv", self.final_norm(x_BD), self.head_DV().astype(self.dtype),
+        x_BD = self.final_norm(x_BD)
+        if self.head is None:  # tied: contract D of the [V, D] table in place (its transpose
+            # is a copy of the whole table, as large as the rest of a small model's decode step)
+            return jnp.einsum("bd,vd->bv", x_BD, self.embed[...].astype(self.dtype),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("bd,dv->bv", x_BD, self.head[...].astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
     def embed_tokens(self, tokens_BL):

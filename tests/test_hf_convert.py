@@ -161,7 +161,8 @@ def test_ring_attention_in_every_layout_gives_transformers_logits(llama_yarn, rn
 
 
 def test_greedy_generation_gives_transformers_tokens(rng, tmp_path, capsys):
-    model = hf_model(rng, tmp_path / "hf", scaling="llama3", kv_heads=2)
+    # tied: the decode step's head contracts the embedding table in place (Decoder.next_logits)
+    model = hf_model(rng, tmp_path / "hf", scaling="llama3", kv_heads=2, tied=True)
     run = import_run(tmp_path / "hf", tmp_path / "run", "--config.data.seq_len=128")
     assert_greedy_tokens_match(rng, run, model, capsys)
 

@@ -185,3 +185,45 @@ def test_buckets_are_the_smallest_valid_length_from_the_next_power_of_two(rng):
             want = next((v for v in valid if v >= n), None)
         assert buckets(n) == want
     assert buckets(cap + 1) is None and EMPTY > 1_000_000
+
+
+def cache_copies(c, mesh, prompt_slots=64, gen_slots=11):
+    """The compiled decode step's copies of the cache (shape, elements) larger than one layer
+    of it on this device, and that layer's element count (an array of the cache: one with a
+    dimension of its slots per device, 75 here, a number nothing else has). A decode that carries the cache through
+    its scan over layers gets a copy of the whole cache per layer: layers x cache bytes a
+    token, its cost growing with the prompt (what this checks is the program, not a time)."""
+    import re
+
+    from evaluation.kv_cache import Cache
+    trainer = Trainer(c, mesh)
+    S, m = int(mesh.shape["sequence"]), c.model
+    B = c.data.batch_size
+    sds = jax.ShapeDtypeStruct
+    slots = S * (prompt_slots + gen_slots)
+    kv = sds((m.num_layers, B, slots, m.num_kv_heads, m.d_model // m.num_heads), np.float32)
+    ints = sds((B,), np.int32)
+    gen = Generator(trainer, VOCAB)
+    hlo = gen._decode(prompt_slots, Sampling()).lower(
+        trainer.abstract_state.params, Cache(kv, kv, sds((B, slots), np.int32)), ints, ints,
+        sds((), np.int32), jax.random.key(0)).compile().as_text()
+    layer = B * (slots // S) * m.num_kv_heads * (m.d_model // m.num_heads)  # one device's
+    big = []
+    for shape in re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} copy(?:-start)?\(", hlo):
+        dims = [int(d) for d in shape.split(",") if d]
+        n = int(np.prod(dims))
+        if slots // S in dims and n > layer:
+            big.append((shape, n))
+    return big, layer
+
+
+@pytest.mark.parametrize("layout,sequence", [("striped", 1), ("striped", 4), ("contiguous", 4)])
+def test_a_decode_step_copies_no_more_than_a_layer_of_the_cache(layout, sequence):
+    """A token reads each layer's cache once and writes one slot: the compiled step holds no
+    copy of the stacked cache (nor of anything larger than one layer of it), on one device and
+    with the cache split over 4 sequence devices."""
+    c = config(layout, mesh=dict(data=1, fsdp=1, sequence=sequence, tensor=1))
+    c.model.num_layers = 4
+    c.data.batch_size = 1
+    big, layer = cache_copies(c, make_mesh(c.mesh, jax.devices()[:sequence]))
+    assert big == [], f"copies larger than one layer of the cache ({layer} elements): {big}"
