@@ -2,7 +2,9 @@
 context-parallel attention (any layout and strategy), the cache kept sharded over the
 ``sequence`` axis, and each new token's attention merged across devices by logsumexp.
 
-The cache of one layer is ``[B, S * C, Hkv, D]`` over S sequence shards. Device ``d`` holds
+The cache of one layer is ``[B, Hkv, S * C, D]`` over S sequence shards (heads before slots:
+a query's scores and weighted sum then read the cache in place, where ``[B, slots, Hkv, D]``
+would be transposed at every layer of every token). Device ``d`` holds
 ``C = Cp + G`` slots: its ``Cp`` prompt tokens, in the layout's order exactly as the prefill
 left them (no reshuffle), then ``G`` slots for new tokens, which are dealt round-robin (new
 token ``t`` goes to device ``t % S``, slot ``Cp + t // S``) so that every device holds an equal
@@ -36,15 +38,15 @@ from parallel.kernels.accumulators import M_INIT
 from parallel.mesh import BATCH_AXES
 
 EMPTY = 2**30  # the position of a slot holding no token
-CACHE = P(None, BATCH_AXES, "sequence", "tensor", None)  # [layers, B, slots, Hkv, D]
+CACHE = P(None, BATCH_AXES, "tensor", "sequence", None)  # [layers, B, Hkv, slots, D]
 ROWS = P(BATCH_AXES, "sequence")  # [B, slots]
 TOKEN = P(BATCH_AXES, None, "tensor", None)  # one token's q, k or v [B, 1, H, D]
-LAYER = P(BATCH_AXES, "sequence", "tensor", None)  # one layer's cache [B, slots, Hkv, D]
-CACHE_TOKEN = P(None, BATCH_AXES, None, "tensor", None)  # every layer's new k or v [layers, B, 1, Hkv, D]
+LAYER = P(BATCH_AXES, "tensor", "sequence", None)  # one layer's cache [B, Hkv, slots, D]
+CACHE_TOKEN = P(None, BATCH_AXES, "tensor", None, None)  # every layer's new k or v [layers, B, Hkv, 1, D]
 
 
 class Cache(NamedTuple):
-    k: jax.Array  # [layers, B, S * C, Hkv, D], compute dtype
+    k: jax.Array  # [layers, B, Hkv, S * C, D], compute dtype
     v: jax.Array
     pos: jax.Array  # [B, S * C] int32 true positions; EMPTY where no token
 
@@ -77,15 +79,14 @@ def pick(logits_BV, key, sampling: Sampling, usable_vocab: int):
     return jax.vmap(jax.random.categorical)(keys, logits_BV).astype(jnp.int32)
 
 
-def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BCKD, v_BCKD, pos_BC, pos_B, *, window):
+def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BKCD, v_BKCD, pos_BC, pos_B, *, window):
     """Per device: one query per row against this device's cached slots of one layer, merged
     across ``sequence`` by logsumexp, then with the token's own key (which sees itself)."""
     b, _, hq, d = q_B1HD.shape
     hkv = k_B1KD.shape[2]
     f32 = jnp.float32
     q_BKGD = q_B1HD[:, 0].reshape(b, hkv, hq // hkv, d).astype(f32) * (1.0 / math.sqrt(d))
-    k_BCKD, v_BCKD = k_BCKD.astype(f32), v_BCKD.astype(f32)
-    s_BKGC = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD)
+    s_BKGC = jnp.einsum("bkgd,bkcd->bkgc", q_BKGD, k_BKCD.astype(f32))
     seen_BC = predicate.visible(pos_B[:, None], pos_BC, None, None, causal=True,
                                 window=window)[:, 0]
     s_BKGC = jnp.where(seen_BC[:, None, None, :], s_BKGC, -jnp.inf)
@@ -94,8 +95,8 @@ def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BCKD, v_BCKD, pos_BC, pos_B, *, wind
     big_m = jax.lax.pmax(m_BKG, "sequence")
     scale = jnp.exp(m_BKG - big_m)
     l_BKG = jax.lax.psum(p_BKGC.sum(-1) * scale, "sequence")
-    o_BKGD = jax.lax.psum(jnp.einsum("bkgc,bckd->bkgd", p_BKGC, v_BCKD) * scale[..., None],
-                          "sequence")
+    o_BKGD = jax.lax.psum(jnp.einsum("bkgc,bkcd->bkgd", p_BKGC, v_BKCD.astype(f32))
+                          * scale[..., None], "sequence")
     s_self = jnp.einsum("bkgd,bkd->bkg", q_BKGD, k_B1KD[:, 0].astype(f32))
     m_all = jnp.maximum(big_m, s_self)
     a, c = jnp.exp(big_m - m_all), jnp.exp(s_self - m_all)
@@ -104,13 +105,13 @@ def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BCKD, v_BCKD, pos_BC, pos_B, *, wind
     return o_BKGD.reshape(b, 1, hq, d).astype(q_B1HD.dtype)
 
 
-def _write_local(cache, new_LB1KD, slot, owner):
+def _write_local(cache, new_LBK1D, slot, owner):
     """Writes the token's keys (or values) of every layer into ``slot`` on device ``owner``, in
     place: the other devices write back what the slot held."""
     mine = jax.lax.axis_index("sequence") == owner
-    old = jax.lax.dynamic_slice_in_dim(cache, slot, 1, axis=2)
+    old = jax.lax.dynamic_slice_in_dim(cache, slot, 1, axis=3)
     return jax.lax.dynamic_update_slice_in_dim(
-        cache, jnp.where(mine, new_LB1KD.astype(cache.dtype), old), slot, axis=2)
+        cache, jnp.where(mine, new_LBK1D.astype(cache.dtype), old), slot, axis=3)
 
 
 def _write_pos_local(pos_BC, pos_B, slot, owner):
@@ -136,10 +137,12 @@ class Generator:
         """(params, tokens, positions, segments, last_B, key) -> (Cache, first token [B])."""
         graphdef, mesh, vocab = self.trainer.graphdef, self.mesh, self.usable_vocab
 
-        def pad_local(c):  # [layers, b, Cp, h, d] -> [layers, b, Cp + G, h, d]
-            return jnp.pad(c, ((0, 0), (0, 0), (0, gen_slots), (0, 0), (0, 0)))
+        def grow_local(c):  # [layers, b, Cp, h, d] -> [layers, b, h, Cp + G, d]
+            return jnp.pad(c.swapaxes(2, 3), ((0, 0), (0, 0), (0, 0), (0, gen_slots), (0, 0)))
 
-        grow = jax.shard_map(pad_local, mesh=mesh, in_specs=CACHE, out_specs=CACHE)
+        grow = jax.shard_map(grow_local, mesh=mesh,
+                             in_specs=P(None, BATCH_AXES, "sequence", "tensor", None),
+                             out_specs=CACHE)
 
         def prefill(params, tokens_BL, positions_BL, segments_BL, cache_pos, last_B, key):
             model = nnx.merge(graphdef, params)
@@ -179,18 +182,19 @@ class Generator:
             # cache bytes a token). Each layer's new keys and values come out of the scan and
             # are written at once, in place, after it.
             def layer(x_B1D, xs):
-                layer_state, kc_BCKD, vc_BCKD = xs
+                layer_state, kc_BKCD, vc_BKCD = xs
                 # one token per row: whole on every sequence device (the weights' embed axis
                 # is split over fsdp x sequence, which would otherwise split D here)
                 x_B1D = jax.lax.with_sharding_constraint(x_B1D, token_rows)
                 block = nnx.merge(block_def, layer_state)
                 return block.attend(
                     x_B1D, pos_B1, None,
-                    attention=lambda q, k, v: attend(q, k, v, kc_BCKD, vc_BCKD, cache.pos, pos_B))
+                    attention=lambda q, k, v: attend(q, k, v, kc_BKCD, vc_BKCD, cache.pos, pos_B))
 
             x_B1D, (k_LB1KD, v_LB1KD) = jax.lax.scan(
                 layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v))
-            new = Cache(write(cache.k, k_LB1KD, slot, owner), write(cache.v, v_LB1KD, slot, owner),
+            new = Cache(write(cache.k, k_LB1KD.swapaxes(2, 3), slot, owner),
+                        write(cache.v, v_LB1KD.swapaxes(2, 3), slot, owner),
                         write_pos(cache.pos, pos_B, slot, owner))
             return new, pick(model.next_logits(x_B1D[:, 0]), key, sampling, vocab)
 

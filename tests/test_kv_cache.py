@@ -201,7 +201,7 @@ def cache_copies(c, mesh, prompt_slots=64, gen_slots=11):
     B = c.data.batch_size
     sds = jax.ShapeDtypeStruct
     slots = S * (prompt_slots + gen_slots)
-    kv = sds((m.num_layers, B, slots, m.num_kv_heads, m.d_model // m.num_heads), np.float32)
+    kv = sds((m.num_layers, B, m.num_kv_heads, slots, m.d_model // m.num_heads), np.float32)
     ints = sds((B,), np.int32)
     gen = Generator(trainer, VOCAB)
     hlo = gen._decode(prompt_slots, Sampling()).lower(
