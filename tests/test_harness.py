@@ -85,6 +85,9 @@ def test_loglikelihoods_are_a_direct_forwards_and_batch_size_changes_nothing(run
         greedy = all(int(np.argmax(logp[p, :vocab])) == t for p, t in zip(scored, continuation))
         expected.append((float(picks.sum()), greedy))
     got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    # short continuations: the head ran on the scored tokens alone, gathered over the
+    # sequence axis (evaluation/scoring.py); the rolling windows below take the full head
+    assert "_forward_scored" in vars(lm.scorer)
     for (ours, our_greedy), (ref, ref_greedy) in zip(got, expected):
         assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref)) and our_greedy == ref_greedy
     assert sum(g for _, g in expected) >= 5  # the greedy rows are greedy
@@ -112,6 +115,7 @@ def test_rolling_windows_score_every_token_exactly_once(lm, rng, direct_logprobs
     text = lm.tok.decode(rng.integers(300, lm.tok.get_vocab_size(), 400).tolist())
     ids = lm.tok_encode(text)
     (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], True)
+    assert "_forward" in vars(score.__self__)  # every token scored: the head over all of them
     labels = [(*row.tokens[1:], row.target) for row in seen]
     scored = [t for row, lab in zip(seen, labels) for t in lab[-row.scored:]]
     assert scored == ids and len(seen) == math.ceil(len(ids) / 128) >= 3
