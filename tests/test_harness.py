@@ -341,3 +341,29 @@ def test_generation_settings_are_read_as_hflm_reads_them():
     assert g == GenSettings(("a", "<eos>"), 256, Sampling(False, 0.7, 3))
     assert GenSettings.of({"do_sample": False, "temperature": 0.7}, "", 9).sampling == Sampling()
     assert GenSettings.of({"max_gen_toks": 7, "max_tokens": 3}, "", 9).max_new == 7
+
+
+def test_the_generation_benchmark_against_transformers_on_the_trained_run(run_dir, tmp_path,
+                                                                          capsys):
+    """scripts/bench_generate.py --run --against transformers at tiny sizes, its main() in this
+    process: our KV cache and transformers' generate pick the same greedy tokens after both
+    prompts, our scorer and HFLM the same log-likelihoods and greedy flags (main returns 0 only
+    then), and its table and JSON hold every measurement."""
+    from scripts import bench_generate
+    out = tmp_path / "vs.json"
+    capsys.readouterr()
+    assert bench_generate.main(
+        ["--run", str(run_dir), "--against", "transformers", "--prompt", "40", "--short", "20",
+         "--new", "4", "--requests", "4", "--request-tokens", "48", "--batch", "2",
+         "--repeats", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for row in ("prefill, 40 tokens", "decode after 20 tokens", "decode after 40 tokens",
+                "log-likelihood, 4 x ~48"):
+        assert row in printed
+    got = json.loads(out.read_text())
+    assert got["same_tokens"] == {"20": True, "40": True}
+    ll = got["loglikelihood"]
+    assert ll["same_greedy"] and ll["largest_difference"] < 1e-3
+    assert 0 <= ll["padding_share"] < 1
+    for ratio in (got["prefill_ratio"], ll["ratio"], *(d["ratio"] for d in got["decode"].values())):
+        assert ratio > 0
