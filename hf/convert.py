@@ -67,11 +67,6 @@ def write_tokenizer(run, out: pathlib.Path, model_max_length: int) -> pathlib.Pa
 def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str = "configs/base.py",
               overrides=(), log: Callable[[str], None] = print) -> pathlib.Path:
     """Writes a run directory at ``out`` from the HF directory ``hf``; returns ``out``."""
-    import jax
-
-    from configs.loading import load, set_field
-    from data.tokenizer import fingerprint, load as load_tokenizer
-    from model import rope
     hf, out = pathlib.Path(hf).expanduser().absolute(), pathlib.Path(out).expanduser().absolute()
     if not (hf / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json (give a local Hugging Face model directory)")
@@ -79,7 +74,39 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
         raise ConversionError(f"--hf {hf}: no tokenizer.json (a fast tokenizer is needed; "
                               f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR) writes one)")
     _fresh(out, "--out")
-    cfg = _read_json(hf / "config.json")
+    return _import(hf.name, str(hf), _read_json(hf / "config.json"), hf,
+                   lambda: safetensors.Tensors(hf), out, config_path, overrides, log,
+                   where=str(hf / "config.json"))
+
+
+def import_gguf(path: str | pathlib.Path, out: str | pathlib.Path,
+                config_path: str = "configs/base.py", overrides=(),
+                log: Callable[[str], None] = print) -> pathlib.Path:
+    """Writes a run directory at ``out`` from a llama.cpp GGUF file (hf/gguf_file.py): its
+    weights dequantized to float32, its tokenizer rebuilt, its chat template kept."""
+    import tempfile
+
+    from hf.gguf_file import GGUFFile
+    out = pathlib.Path(out).expanduser().absolute()
+    f = GGUFFile(path)
+    _fresh(out, "--out")
+    with tempfile.TemporaryDirectory() as side:  # the file as an HF directory without weights
+        side = pathlib.Path(side)
+        f.write_side_files(side)
+        (side / "tokenizer.json").write_text(f.tokenizer().to_str())
+        return _import(f.path.name, str(f.path), f.config, side, lambda: f.tensors, out,
+                       config_path, overrides, log)
+
+
+def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out: pathlib.Path,
+            config_path: str, overrides, log, where: str | None = None) -> pathlib.Path:
+    """The run directory from an HF config, a directory holding tokenizer.json and the side
+    files, and ``tensors()`` (HF names -> arrays). ``where``: what a config error names."""
+    import jax
+
+    from configs.loading import load, set_field
+    from data.tokenizer import fingerprint, load as load_tokenizer
+    from model import rope
     fields = hf_config.model_fields(cfg)
     config = load(config_path)
     scaling = fields.pop("rope_scaling")
@@ -92,14 +119,13 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
         set_field(config, dotted, text)
     problem = rope.check(rope.from_config(config.model))  # the RoPE the run will have
     if problem:
-        raise ConversionError(f"{hf / 'config.json'}: model.{problem}")
-    tokenizer = load_tokenizer(str(hf / "tokenizer.json"), config.model.vocab_size)
-    tensors = safetensors.Tensors(hf)
-    params = weights.params_from_hf(tensors, config.model)
+        raise ConversionError(f"{where or source}: model.{problem}")
+    tokenizer = load_tokenizer(str(side / "tokenizer.json"), config.model.vocab_size)
+    params = weights.params_from_hf(tensors(), config.model)
     config.data.tokenizer = str(out / "tokenizer.json")
     if not any(o.startswith("data.seq_len=") for o in overrides) and cfg.get("max_position_embeddings"):
         config.data.seq_len = int(cfg["max_position_embeddings"])  # the context it was trained at
-    config.name = f"{config.name}-{hf.name}"
+    config.name = f"{config.name}-{name}"
 
     out.mkdir(parents=True, exist_ok=True)
     fp = fingerprint(tokenizer)
@@ -107,14 +133,14 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
     (out / "tokenizer_fingerprint.txt").write_text(fp + "\n")
     (out / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
     (out / HF_DIR).mkdir()
-    for name in SIDE_FILES:
-        if (hf / name).is_file():
-            shutil.copyfile(hf / name, out / HF_DIR / name)
-    _save_params(out, params, config, fp, str(hf))
+    for file in SIDE_FILES:
+        if (side / file).is_file():
+            shutil.copyfile(side / file, out / HF_DIR / file)
+    _save_params(out, params, config, fp, source)
     leaves = jax.tree.leaves(params)
     n = sum(a.size for a in leaves)
     m = config.model
-    log(f"imported {hf.name}: {n / 1e6:.1f}M parameters ({leaves[0].dtype}), {m.num_layers} "
+    log(f"imported {name}: {n / 1e6:.1f}M parameters ({leaves[0].dtype}), {m.num_layers} "
         f"layers, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}, rope_theta "
         f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
         + (", tied embeddings" if m.tie_embeddings else "")

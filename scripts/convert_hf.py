@@ -1,11 +1,13 @@
 """Hugging Face LLaMA / Mistral / Qwen2 checkpoints in and out of run directories.
 
     python scripts/convert_hf.py import --hf HF_DIR --out RUN_DIR [--config configs/X.py] [--config.a.b=v ...]
+    python scripts/convert_hf.py import --gguf FILE.gguf --out RUN_DIR [--config configs/X.py] [--config.a.b=v ...]
     python scripts/convert_hf.py export --run RUN_DIR --out HF_DIR [--dtype bfloat16] [--step N]
 
 import reads a local LlamaForCausalLM, MistralForCausalLM (no sliding window) or
 Qwen2ForCausalLM directory (config.json, model.safetensors or shards with
-their index, tokenizer.json), without torch, and writes a run directory: its config (the
+their index, tokenizer.json), without torch, or a llama.cpp GGUF file of a llama-architecture
+model (dequantized to float32, its tokenizer rebuilt; hf/gguf_file.py), and writes a run directory: its config (the
 --config file's, default configs/base.py, with the model fields from HF), its tokenizer and a
 step-0 checkpoint of the weights. Train from it with
     python train.py --config configs/X.py --config.checkpoint.restore_from=RUN_DIR \\
@@ -29,7 +31,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF directory -> run directory")
-    imp.add_argument("--hf", required=True, help="local Hugging Face model directory")
+    src = imp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="local Hugging Face model directory")
+    src.add_argument("--gguf", help="a llama.cpp GGUF file (llama architecture)")
     imp.add_argument("--out", required=True, help="new run directory")
     imp.add_argument("--config", default="configs/base.py",
                      help="config whose non-model fields the run takes (default configs/base.py)")
@@ -55,9 +59,12 @@ def main(argv=None) -> int:
     from training.entry import script_main, stderr
 
     def convert() -> int:
-        from hf.convert import export_hf, import_hf
+        from hf.convert import export_hf, import_gguf, import_hf
         if args.command == "import":
-            out = import_hf(args.hf, args.out, args.config, args.overrides, log=stderr)
+            if args.gguf:
+                out = import_gguf(args.gguf, args.out, args.config, args.overrides, log=stderr)
+            else:
+                out = import_hf(args.hf, args.out, args.config, args.overrides, log=stderr)
         else:
             out = export_hf(args.run, args.out, args.dtype, args.step, args.max_shard_gb,
                             log=stderr)
