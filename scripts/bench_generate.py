@@ -191,10 +191,10 @@ def against_transformers(args) -> int:
     from hf.convert import export_hf
     quiet = lambda msg: None  # noqa: E731
     ours = StripedJaxLM(run=args.run, batch_size=args.batch, log=quiet)
-    hf_dir = tempfile.mkdtemp(prefix="bench_generate_hf_")
-    export_hf(args.run, hf_dir, dtype="float32", log=quiet)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(hf_dir)
+    with tempfile.TemporaryDirectory(prefix="bench_generate_hf_") as hf_dir:
+        export_hf(args.run, hf_dir, dtype="float32", log=quiet)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        hf_tok = AutoTokenizer.from_pretrained(hf_dir)
     theirs = HFLM(pretrained=model, tokenizer=hf_tok, batch_size=args.batch,
                   max_length=ours.max_length, device="cpu")
     text = real_ids(ours.tok, max(args.prompt, args.requests * args.request_tokens // 2 + 2 *

@@ -1,0 +1,154 @@
+"""Config validation before anything compiles: each mistake is one line naming field and fix."""
+from __future__ import annotations
+
+from data.files import POLICIES as BAD_RECORDS
+from data.mixture import check_fields as check_long_context_data
+from errors import ConfigError, DataError, LayoutError, MeshError
+from model import rope
+from model.decoder import DTYPES, REMAT
+from parallel import kernels, strategies
+from parallel.cluster import check_timeouts
+from parallel.kernels import tiling
+from parallel.layouts import LAYOUTS, check as check_layout
+from parallel.mesh import mesh_shape
+
+SOURCES = ("stdlib", "text", "jsonl", "parquet", "hf", "tfds")
+IMPLS = strategies.IMPLS + ("dense",)
+WANDB_MODES = ("disabled", "offline", "online")
+ON_NONFINITE = ("stop", "rollback")
+
+
+def _need(ok: bool, msg: str):
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(config, num_devices: int, platform: str | None = None) -> dict[str, int]:
+    """Checks every field a run depends on; returns the resolved mesh axis sizes.
+
+    ``platform`` (cpu | gpu | tpu; None: the default backend's) decides what ``auto`` kernels
+    and their tile sizes resolve to."""
+    m, a, d, t, k = config.model, config.attention, config.data, config.train, config.checkpoint
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
+        _need(m[name] >= 1, f"model.{name}={m[name]} must be >= 1")
+    _need(m.num_heads % m.num_kv_heads == 0,
+          f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} (GQA groups)")
+    if not m.head_dim:
+        _need(m.d_model % m.num_heads == 0,
+              f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+              f"set model.head_dim or pick heads dividing {m.d_model}")
+    hd = m.head_dim or m.d_model // m.num_heads
+    _need(hd % 2 == 0, f"head dim {hd} must be even for RoPE (model.head_dim / d_model / num_heads)")
+    _need(m.dtype in (*DTYPES, "auto"), f"model.dtype={m.dtype!r} is not one of float32, bfloat16, auto")
+    _need(m.param_dtype == "float32", f"model.param_dtype={m.param_dtype!r}: only float32 is supported")
+    _need(m.mlp_chunk >= 0, f"model.mlp_chunk={m.mlp_chunk} must be >= 0 (tokens per MLP chunk; 0 = whole)")
+    window = m.get("sliding_window", 0)
+    _need(isinstance(window, int) and window >= 0,
+          f"model.sliding_window={window!r} must be an int >= 0 (0: full attention; W: a query "
+          f"at position p sees keys p - W < k <= p)")
+    _need(m.remat in (*REMAT, "auto"),
+          f"model.remat={m.remat!r} is not one of {', '.join((*REMAT, 'auto'))}")
+    budget = float(config.train.get("memory_budget_gib", 0) or 0)
+    _need(budget >= 0, f"train.memory_budget_gib={budget:g} must be >= 0 (0: the devices' own)")
+    problem = rope.check(rope.from_config(m))
+    _need(problem is None, f"model.{problem}")
+
+    _need(a.impl in IMPLS, f"attention.impl={a.impl!r} is not one of {', '.join(IMPLS)}")
+    _need(a.layout in LAYOUTS, f"attention.layout={a.layout!r} is not one of {', '.join(LAYOUTS)}")
+    _need(a.stripe >= 1, f"attention.stripe={a.stripe} must be >= 1")
+    _need(a.kernel in kernels.KERNELS,
+          f"attention.kernel={a.kernel!r} is not one of {', '.join(kernels.KERNELS)}")
+    for field in ("pallas_block_q", "pallas_block_kv"):
+        _need(a[field] >= 0, f"attention.{field}={a[field]} must be >= 0 (0: the kernel's default)")
+
+    try:
+        sizes = mesh_shape(config.mesh, num_devices)
+    except MeshError as e:
+        raise ConfigError(str(e)) from None
+    for field in ("num_heads", "num_kv_heads"):
+        _need(m[field] % sizes["tensor"] == 0,
+              f"model.{field}={m[field]} is not divisible by mesh.tensor={sizes['tensor']}; "
+              f"use a tensor axis size that divides it")
+    _need(m.ffn_dim % sizes["tensor"] == 0,
+          f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tensor={sizes['tensor']}")
+
+    _need(d.source in SOURCES, f"data.source={d.source!r} is not one of {', '.join(SOURCES)}")
+    _need(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    rows = sizes["data"] * sizes["fsdp"]
+    _need(d.batch_size >= 1 and d.batch_size % rows == 0,
+          f"data.batch_size={d.batch_size} must be a positive multiple of mesh data x fsdp = {rows}")
+    per_replica = d.batch_size // rows
+    _need(t.microbatches >= 1 and per_replica % t.microbatches == 0,
+          f"train.microbatches={t.microbatches} must be >= 1 and divide the rows per data x fsdp "
+          f"group (data.batch_size {d.batch_size} / {rows} = {per_replica}); valid: "
+          f"{', '.join(str(i) for i in range(1, per_replica + 1) if per_replica % i == 0)}")
+    n = sizes["sequence"]
+    try:
+        check_layout(a.layout, d.seq_len, n, a.stripe)
+    except LayoutError as e:
+        raise ConfigError(f"data.seq_len: {e}") from None
+    if platform is None:
+        import jax
+        platform = jax.devices()[0].platform
+    dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    from model.flops import head_dim
+    kernel = kernels.resolve(a.kernel, platform, dtype, head_dim(m))
+    _need(kernel != "cudnn" or platform == "cpu" or dtype in ("bfloat16", "float16"),
+          f"attention.kernel=cudnn runs bf16 or fp16 activations, model.dtype={m.dtype} gives "
+          f"{dtype}; set model.dtype=bfloat16 or use attention.kernel=pallas_gpu")
+    if a.impl in ("ulysses", "usp"):
+        from parallel.strategies.usp import check_heads
+        try:
+            check_heads(a.impl, m.num_heads // sizes["tensor"], m.num_kv_heads // sizes["tensor"], n,
+                        a.ulysses)
+        except ValueError as e:
+            field = "attention.impl=ulysses" if a.impl == "ulysses" else f"attention.ulysses={a.ulysses}"
+            raise ConfigError(f"{field}: {e}") from None
+    if a.impl != "dense" or kernel != "xla":
+        _check_tiles(kernel, a, m, d.seq_len, n, platform)
+    _need(0 < d.heldout_fraction < 1, f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
+    _need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
+    _need(d.bad_records in BAD_RECORDS,
+          f"data.bad_records={d.bad_records!r} is not one of {', '.join(BAD_RECORDS)}")
+    try:
+        check_long_context_data(d)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+
+    _need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _need(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    _need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _need(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+    _need(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every and train.eval_batches must be >= 0")
+    _need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
+    _need(t.loss_chunk >= 0,
+          f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per loss chunk; 0 = no chunking)")
+    _need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops} must be >= 0 (0 = device table)")
+    _need(t.on_nonfinite in ON_NONFINITE,
+          f"train.on_nonfinite={t.on_nonfinite!r} is not one of {', '.join(ON_NONFINITE)}")
+    _need(t.max_rollbacks >= 0, f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
+    _need(k.every >= 0 and k.keep >= 1,
+          f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")
+    check_timeouts(config.distributed)
+    _need(config.wandb.mode in WANDB_MODES,
+          f"wandb.mode={config.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
+    return sizes
+
+
+def _check_tiles(kernel, a, m, seq_len, n, platform):
+    """The tiles the kernel will run, by its own rules (its module's, through ``tiling.plan``)."""
+    chunk, block_q, block_kv = seq_len // n, *kernels.tiles(kernel, a)
+    try:
+        if kernel == "xla":
+            for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+                tiling.tile_size(f"attention.{name}", block, chunk, seq_len, n)
+        else:
+            hd = m.head_dim or m.d_model // m.num_heads
+            dtype = {"auto": "float32" if platform == "cpu" else "bfloat16"}.get(m.dtype, m.dtype)
+            tiling.plan(kernel, block_q, block_kv, group=m.num_heads // m.num_kv_heads, head_dim=hd,
+                        dtype=dtype, chunk=chunk, seq_len=seq_len, shards=n,
+                        interpret=kernels.interpret(kernel, platform),
+                        names=("attention.pallas_block_q", "attention.pallas_block_kv"))
+    except ValueError as e:  # KernelError is one
+        raise ConfigError(f"{e} [kernel {kernel}]") from None
