@@ -13,7 +13,7 @@ Model arguments (``--model_args run=RUN,step=N,...``):
   data.batch_size), rounded up to a multiple of the mesh's data x fsdp axes.
 - ``max_gen_toks``: the generation cap when a task sets none (256).
 
-Rows run on the run's own mesh, attention and layout (training/eval_setup.py): a long prompt's
+Rows run on the run's own mesh, attention and layout (evaluation/setup.py): a long prompt's
 attention is context parallel over every device. Log-likelihoods come from one forward pass
 per batch of rows (evaluation/scoring.py), generations from the KV cache
 (evaluation/kv_cache.py), greedy unless a task asks to sample. Requests are scored exactly as
@@ -62,12 +62,12 @@ class StripedJaxLM(TemplateLM):
         from evaluation.lengths import Buckets
         from evaluation.scoring import Scorer
         from parallel.mesh import batch_shards
-        from training.eval_setup import eval_setup
-        from training.state import Trainer
+        from evaluation.setup import eval_setup
+        from model.sharded import ShardedModel
         self.log = log
         self.run = open_run(run, log=log)
         config, mesh = eval_setup(self.run.config, log)
-        trainer = Trainer(config, mesh)
+        sharded = ShardedModel(config, mesh)
         self._max_length = _positive_int(max_length or config.data.seq_len, "max_length")
         self._max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         rows = (int(config.data.batch_size) if str(batch_size).lower() == "auto"
@@ -82,13 +82,13 @@ class StripedJaxLM(TemplateLM):
                             f"the run's layout and mesh accept; valid lengths near it: "
                             f"{', '.join(map(str, near)) or 'none'}")
         got = self.run.restore_params(
-            trainer.abstract_state.params,
+            sharded.abstract_params,
             step=None if step is None else _positive_int(step, "step", zero=True))
         self.params, self.step = got.params, got.step
         self.tok = self.run.tokenizer
         vocab = self.tok.get_vocab_size()
-        self.scorer = Scorer(trainer, vocab, self.buckets, rows)
-        self.generator = Generator(trainer, vocab)
+        self.scorer = Scorer(sharded, vocab, self.buckets, rows)
+        self.generator = Generator(sharded, vocab)
         self.rows_per_pass = self.scorer.rows_per_pass
         self.batch_shards = batch_shards(mesh)
         self._chat_tokenizer = None

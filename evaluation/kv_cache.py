@@ -122,11 +122,12 @@ def _write_pos_local(pos_BC, pos_B, slot, owner):
 
 
 class Generator:
-    """Prefill and decode programs for one run on one mesh (``trainer``: a training.state
-    Trainer for the run's config, whose graphdef and shardings the programs use)."""
+    """Prefill and decode programs for one run on one mesh (``sharded``: the run's
+    model.sharded.ShardedModel, or a training.state.Trainer, whose graphdef and shardings the
+    programs use)."""
 
-    def __init__(self, trainer, usable_vocab: int):
-        self.trainer, self.mesh, self.config = trainer, trainer.mesh, trainer.config
+    def __init__(self, sharded, usable_vocab: int):
+        self.sharded, self.mesh, self.config = sharded, sharded.mesh, sharded.config
         self.usable_vocab = int(usable_vocab)
         self.shards = int(self.mesh.shape["sequence"])
         self.window = int(self.config.model.get("sliding_window", 0))
@@ -135,7 +136,7 @@ class Generator:
     @functools.lru_cache(maxsize=None)
     def _prefill(self, gen_slots: int, sampling: Sampling):
         """(params, tokens, positions, segments, last_B, key) -> (Cache, first token [B])."""
-        graphdef, mesh, vocab = self.trainer.graphdef, self.mesh, self.usable_vocab
+        graphdef, mesh, vocab = self.sharded.graphdef, self.mesh, self.usable_vocab
 
         def grow_local(c):  # [layers, b, Cp, h, d] -> [layers, b, h, Cp + G, d]
             return jnp.pad(c.swapaxes(2, 3), ((0, 0), (0, 0), (0, 0), (0, gen_slots), (0, 0)))
@@ -151,7 +152,7 @@ class Generator:
             cache = Cache(grow(k), grow(v), cache_pos)
             return cache, pick(model.next_logits(x_BD), key, sampling, vocab)
 
-        return jax.jit(prefill, in_shardings=(self.trainer.param_shardings, *[self._rows()] * 4,
+        return jax.jit(prefill, in_shardings=(self.sharded.param_shardings, *[self._rows()] * 4,
                                               None, None),
                        out_shardings=(self._cache_shardings(), None))
 
@@ -159,7 +160,7 @@ class Generator:
     def _decode(self, prompt_slots: int, sampling: Sampling):
         """(params, cache, token [B], position [B], t, key) -> (cache, next token [B]): the
         token's keys and values written at slot ``prompt_slots + t // S`` of device ``t % S``."""
-        graphdef, mesh, vocab, S = self.trainer.graphdef, self.mesh, self.usable_vocab, self.shards
+        graphdef, mesh, vocab, S = self.sharded.graphdef, self.mesh, self.usable_vocab, self.shards
         attend = jax.shard_map(functools.partial(_attend_local, window=self.window), mesh=mesh,
                                in_specs=(TOKEN, TOKEN, TOKEN, LAYER, LAYER, ROWS,
                                          P(BATCH_AXES)),
@@ -199,7 +200,7 @@ class Generator:
             return new, pick(model.next_logits(x_B1D[:, 0]), key, sampling, vocab)
 
         return jax.jit(decode, donate_argnums=(1,),
-                       in_shardings=(self.trainer.param_shardings, self._cache_shardings(),
+                       in_shardings=(self.sharded.param_shardings, self._cache_shardings(),
                                      self._batch(), self._batch(), None, None),
                        out_shardings=(self._cache_shardings(), None))
 

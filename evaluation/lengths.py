@@ -1,5 +1,5 @@
 """Which row lengths a run's mesh, layout and attention accept, the lengths evaluation pads
-rows to, and the padded rows: the trainer's own checks (training/validate.py) decide, so a
+rows to, and the padded rows: the trainer's own checks (configs/validate.py) decide, so a
 length that evaluates here would also train."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 def length_problem(config, mesh, length: int) -> str | None:
     """Why ``length`` cannot run on this mesh and layout (the trainer's own checks), or None."""
     from errors import ConfigError
-    from training.validate import validate
+    from configs.validate import validate
     c = config.copy_and_resolve_references()
     c.data.seq_len = length
     try:

@@ -41,10 +41,11 @@ class Row:
 
 class Scorer:
     """``(log-likelihood, greedy)`` per row, ``rows_per_pass`` rows at a time (a multiple of
-    the data x fsdp axes)."""
+    the data x fsdp axes), with the graphdef and shardings of ``sharded`` (the run's
+    model.sharded.ShardedModel, or a training.state.Trainer)."""
 
-    def __init__(self, trainer, usable_vocab: int, buckets, rows_per_pass: int):
-        self.trainer, self.mesh, self.config = trainer, trainer.mesh, trainer.config
+    def __init__(self, sharded, usable_vocab: int, buckets, rows_per_pass: int):
+        self.sharded, self.mesh, self.config = sharded, sharded.mesh, sharded.config
         self.usable_vocab, self.buckets = int(usable_vocab), buckets
         shards = batch_shards(self.mesh)
         self.rows_per_pass = -(-max(int(rows_per_pass), 1) // shards) * shards
@@ -53,11 +54,11 @@ class Scorer:
     @functools.cached_property
     def _forward(self):
         from model.loss import chunked_token_losses
-        trainer, chunk, vocab = self.trainer, int(self.config.train.loss_chunk), self.usable_vocab
+        sharded, chunk, vocab = self.sharded, int(self.config.train.loss_chunk), self.usable_vocab
         mesh = self.mesh
 
         def forward(params, batch):
-            model = nnx.merge(trainer.graphdef, params)
+            model = nnx.merge(sharded.graphdef, params)
             x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
             scores_BL2 = chunked_token_losses(
                 x_BLD, batch["labels"], batch["loss_mask"], model.final_norm.scale[...],
@@ -68,7 +69,7 @@ class Scorer:
             greedy_B = jnp.where(scored_BL, scores_BL2[..., 1] > 0, True).all(-1)
             return loglik_B, greedy_B
 
-        return jax.jit(forward, in_shardings=(trainer.param_shardings, trainer.batch_shardings))
+        return jax.jit(forward, in_shardings=(sharded.param_shardings, sharded.batch_shardings))
 
     @functools.cached_property
     def _forward_scored(self):
@@ -77,7 +78,7 @@ class Scorer:
         and ``loss_mask`` [B, K]."""
         from model.loss import chunked_token_losses
         from parallel.mesh import BATCH_AXES
-        trainer, chunk, vocab = self.trainer, int(self.config.train.loss_chunk), self.usable_vocab
+        sharded, chunk, vocab = self.sharded, int(self.config.train.loss_chunk), self.usable_vocab
         mesh = self.mesh
 
         def gather_local(x_BlD, at_BK):
@@ -93,7 +94,7 @@ class Scorer:
                                out_specs=P(BATCH_AXES, None, None))
 
         def forward(params, batch, at_BK, labels_BK, mask_BK):
-            model = nnx.merge(trainer.graphdef, params)
+            model = nnx.merge(sharded.graphdef, params)
             x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
             scores_BK2 = chunked_token_losses(
                 gather(x_BLD, at_BK), labels_BK, mask_BK, model.final_norm.scale[...],
@@ -104,8 +105,8 @@ class Scorer:
             return loglik_B, greedy_B
 
         rows = NamedSharding(mesh, P(BATCH_AXES, None))
-        inputs = {k: trainer.batch_shardings[k] for k in ("tokens", "positions", "segment_ids")}
-        return jax.jit(forward, in_shardings=(trainer.param_shardings, inputs, rows, rows, rows))
+        inputs = {k: sharded.batch_shardings[k] for k in ("tokens", "positions", "segment_ids")}
+        return jax.jit(forward, in_shardings=(sharded.param_shardings, inputs, rows, rows, rows))
 
     def _scored_width(self, most: int, length: int) -> int | None:
         """K for a pass whose rows score at most ``most`` tokens: a power of two (at least
@@ -145,7 +146,7 @@ class Scorer:
                     labels[r, :n] = (*row.tokens[1:], row.target)
                     mask[r, n - row.scored:n] = 1.0
                 natural.update(labels=labels, loss_mask=mask)
-            batch = {k: jax.device_put(v, self.trainer.batch_shardings[k])
+            batch = {k: jax.device_put(v, self.sharded.batch_shardings[k])
                      for k, v in to_layout(natural, a.layout, S, int(a.stripe)).items()}
             if K is None:
                 loglik_B, greedy_B = jax.device_get(self._forward(params, batch))

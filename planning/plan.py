@@ -35,7 +35,7 @@ def validate(config, mesh_sizes: dict, layouts) -> None:
     """Config checks of a run, plus every layout to be projected (zigzag needs 2N | L)."""
     from errors import ConfigError, LayoutError
     from parallel.layouts import check
-    from training.validate import validate as validate_config
+    from configs.validate import validate as validate_config
     num_devices = math.prod(mesh_sizes.values())
     validate_config(config, num_devices)
     for layout in layouts:

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 
     from parallel.mesh import make_mesh
     from training.state import Trainer
-    from training.validate import ConfigError, validate
+    from configs.validate import ConfigError, validate
 
     base = load(args.config)
     ks = [int(k) for k in args.microbatches.split(",") if k.strip()]

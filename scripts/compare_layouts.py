@@ -114,7 +114,7 @@ def measure(args) -> list[dict]:
     from model.flops import attention_flops_per_token, flops_per_token
     from parallel.mesh import make_mesh
     from training.state import Trainer
-    from training.validate import validate
+    from configs.validate import validate
 
     base = load(args.config, args.set)
     if args.window:  # the model's own window from here on: every run and the FLOP count read it

@@ -11,7 +11,7 @@ is correct iff every answer token is the model's argmax at the token before it. 
 the mean next-token loss over the prompt (the answer excluded) at each length.
 
 Rows run through the run's own mesh, attention and layout when this machine has the devices
-(training/eval_setup.py; else one device, dense; on a CPU the script simulates the run's
+(evaluation/setup.py; else one device, dense; on a CPU the script simulates the run's
 devices, as train.py does, unless XLA_FLAGS sets a count): each row is permuted into the layout's
 order with its true positions, so a length must be one the layout can split (a multiple of
 the sequence axis, or of 2x it for zigzag, and of the attention tiles); other lengths stop
@@ -175,7 +175,7 @@ def evaluate(run, lengths, depths, trials: int, seed: int, step, log) -> dict:
     import numpy as np
 
     from data import passkey
-    from training.eval_setup import eval_setup
+    from evaluation.setup import eval_setup
     config, mesh = eval_setup(run.config, log)
     rng = np.random.default_rng(seed)
     tok = run.tokenizer

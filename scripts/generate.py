@@ -10,7 +10,7 @@ tokens on stdout (everything else goes to stderr); --json FILE prints the text a
 writes a fuller record (prompt, its tokens, settings) to FILE.
 
 Runs on the run's own mesh, attention and layout (on a CPU the script simulates the run's
-devices, as train.py does; training/eval_setup.py): the prompt is prefilled once with
+devices, as train.py does; evaluation/setup.py): the prompt is prefilled once with
 context-parallel attention and each new token reads a KV cache sharded over the sequence
 axis (evaluation/kv_cache.py). Prompt and new tokens stay within the run's data.seq_len, past
 which its RoPE was never trained: a longer prompt keeps its last seq_len - max_new_tokens
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                 seq_len=int(run.config.data.seq_len), usable_vocab=run.tokenizer.get_vocab_size(),
                 eos=run.eos, sampling=sampling(args), seed=args.seed)
         else:
-            from training.eval_setup import eval_setup
+            from evaluation.setup import eval_setup
             from training.state import Trainer
             config, mesh = eval_setup(run.config, stderr)
             trainer = Trainer(config, mesh)

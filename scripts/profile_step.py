@@ -82,7 +82,7 @@ def run(args, config) -> int:
     from parallel.mesh import make_mesh
     from training import profile
     from training.state import Trainer
-    from training.validate import validate
+    from configs.validate import validate
     validate(config, jax.device_count())
     mesh = make_mesh(config.mesh)
     trainer = Trainer(config, mesh)

@@ -11,7 +11,8 @@ from configs import tiny
 from errors import ConfigError
 from parallel.mesh import make_mesh
 from training import remat
-from training.validate import validate
+from training.state import step_bytes
+from configs.validate import validate
 
 GIB = 2 ** 30
 
@@ -28,7 +29,7 @@ def config(budget_bytes=0.0):
 def compiled_total(policy):
     """Bytes per device of the tiny step under ``policy`` (compiled once per session)."""
     c = remat.with_remat(config(), policy)
-    return remat.step_bytes(c, make_mesh(c.mesh))
+    return step_bytes(c, make_mesh(c.mesh))
 
 
 def counting_compile(calls):
@@ -76,9 +77,9 @@ def test_no_budget_on_a_cpu_compiles_nothing():
 def test_the_run_keeps_auto_and_the_trainer_gets_the_policy():
     c = config(compiled_total("attention") + 1024)
     mesh = make_mesh(c.mesh)
-    resolved, line = remat.resolve(c, mesh)
+    resolved, line = remat.resolve(c, mesh, step_bytes)
     assert resolved.model.remat == "attention" and c.model.remat == "auto" and line
-    fixed, line = remat.resolve(remat.with_remat(c, "full"), mesh)
+    fixed, line = remat.resolve(remat.with_remat(c, "full"), mesh, step_bytes)
     assert fixed.model.remat == "full" and line is None
 
 

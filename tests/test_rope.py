@@ -126,7 +126,7 @@ def test_bad_scaling_is_one_line(rope, says):
 def test_validate_names_the_field():
     from configs import tiny
     from errors import ConfigError
-    from training.validate import validate
+    from configs.validate import validate
     c = tiny.get_config()
     c.model.rope_scaling.type = "dynamic"
     with pytest.raises(ConfigError, match=r"^model\.rope_scaling\.original_max_len=0: dynamic"):

@@ -7,7 +7,7 @@ import pytest
 
 from configs import tiny
 from errors import ConfigError
-from training.validate import validate
+from configs.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

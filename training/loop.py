@@ -20,7 +20,7 @@ from training.logger import MetricsLogger
 from training.mfu import peak_flops_total
 from training.optim import schedule
 from training.state import Trainer
-from training.validate import validate
+from configs.validate import validate
 
 
 def check_workdir(workdir: pathlib.Path, fingerprint: str):

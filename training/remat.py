@@ -51,12 +51,7 @@ def with_remat(config, policy: str):
     return c
 
 
-def step_bytes(config, mesh) -> int:
-    from training.state import Trainer
-    return Trainer(config, mesh).step_bytes()
-
-
-def choose(config, mesh, measure=step_bytes) -> tuple[str, str]:
+def choose(config, mesh, measure) -> tuple[str, str]:
     """(policy, one line saying why) for ``config`` (whose ``model.remat`` is ``auto``) on
     ``mesh``; ConfigError in one line when no policy fits. ``measure(config, mesh)``: per-device
     bytes of the config's compiled step."""
@@ -79,10 +74,11 @@ def choose(config, mesh, measure=step_bytes) -> tuple[str, str]:
                       f"more (mesh.fsdp, mesh.sequence)")
 
 
-def resolve(config, mesh):
+def resolve(config, mesh, measure):
     """(``config`` with ``model.remat`` resolved, the line saying why or None): unchanged unless
-    it is ``auto``."""
+    it is ``auto``. ``measure(config, mesh)``: per-device bytes of its compiled step (the
+    trainer's ``step_bytes``, handed in: this module sits below training/state.py)."""
     if config.model.remat != "auto":
         return config, None
-    policy, why = choose(config, mesh)
+    policy, why = choose(config, mesh, measure)
     return with_remat(config, policy), why

@@ -10,11 +10,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from model.decoder import Decoder, backend_from_config
-from parallel.mesh import batch_sharding, param_shardings
+from model.decoder import Decoder
+from model.sharded import ShardedModel
+from parallel.mesh import batch_sharding
+from training import remat
 from training.optim import decay_mask, make_optimizer
 
-BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids", "loss_mask")
 # For a step compiled only to read its memory (the planner; model.remat=auto): the backend's
 # code generation can skip its optimisations (a third less compile time); buffer assignment,
 # hence memory, is unchanged. XLA CPU has no bf16 dynamic-slice: it computes the backward's
@@ -47,24 +48,20 @@ class Trainer:
     def __init__(self, config, mesh):
         # model.remat=auto: the policy that fits, compiled per policy (training/remat.py); the
         # line saying which is ``remat_line`` (None when the config names a policy).
-        from training import remat
-        config, self.remat_line = remat.resolve(config, mesh)
+        config, self.remat_line = remat.resolve(config, mesh, step_bytes)
         self.config, self.mesh = config, mesh
-        backend = backend_from_config(config, mesh)
-        m = config.model
-        abstract_model = nnx.eval_shape(lambda: Decoder(m, backend, nnx.Rngs(0)))
-        self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-        self.param_shardings = nnx.to_pure_dict(param_shardings(abstract_params, mesh))
-        self.optimizer = make_optimizer(config.train, decay_mask(abstract_params))
-        self.backend = backend
+        self.sharded = ShardedModel(config, mesh)
+        self.graphdef, self.backend = self.sharded.graphdef, self.sharded.backend
+        self.param_shardings = self.sharded.param_shardings
+        self.optimizer = make_optimizer(config.train, decay_mask(self.sharded.abstract_state))
         replicated = NamedSharding(mesh, P())
-        abstract_pure = nnx.to_pure_dict(abstract_params)
+        abstract_pure = nnx.to_pure_dict(self.sharded.abstract_state)
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_pure)
         # Optimizer moments mirror the params' shardings; counters are replicated.
         opt_shardings = _like_params(abstract_opt, abstract_pure, self.param_shardings, replicated)
         self.state_shardings = TrainState(step=replicated, params=self.param_shardings,
                                           opt_state=opt_shardings, bad_step=replicated)
-        self.batch_shardings = {k: batch_sharding(mesh) for k in BATCH_KEYS}
+        self.batch_shardings = self.sharded.batch_shardings
         self._micro_sharding = NamedSharding(mesh, P(None, *batch_sharding(mesh).spec))
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -172,6 +169,12 @@ class Trainer:
     def _eval_step(self, params, batch):
         loss, count = self.loss(params, batch)
         return {"loss_sum": loss * count, "tokens": count}
+
+
+def step_bytes(config, mesh) -> int:
+    """Per-device bytes of ``config``'s compiled train step on ``mesh`` (model.remat=auto's
+    measure)."""
+    return Trainer(config, mesh).step_bytes()
 
 
 def _like_params(abstract_opt, abstract_params, param_shardings, replicated):

@@ -41,7 +41,7 @@ def tile_size(name, block, chunk, seq_len, shards):
 
     Clamping lets the model's default (512) run on short sequences and makes the smallest valid
     length per device work; a smaller tile that does not divide the chunk is a user error
-    (ValueError; ``training/validate.py`` reports it before anything compiles).
+    (ValueError; ``configs/validate.py`` reports it before anything compiles).
     """
     if block < 1:
         raise ValueError(f"{name} must be >= 1, got {block}")
