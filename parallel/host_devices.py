@@ -81,16 +81,21 @@ def simulate_for_mesh(mesh_cfg, *, multi_process: bool = False, environ=os.envir
     return n
 
 
-def simulate_for_run(run_dir, *, environ=os.environ, say=None) -> int:
+def simulate_for_run(run_dir, *, environ=os.environ, say=None, overrides=()) -> int:
     """``simulate_for_mesh`` for the mesh a run directory trained on (its config.json), so that
     its evaluation runs on that mesh, ring and layout here too; 0 and nothing set when the run
-    cannot be read (the script's own open_run reports that)."""
+    cannot be read (the script's own open_run reports that). ``overrides``: the script's
+    ``FIELD=VALUE`` config overrides, whose ``mesh.AXIS=N`` ones change the mesh."""
     try:
         mesh = json.loads((pathlib.Path(run_dir) / "config.json").read_text())["mesh"]
     except (OSError, ValueError, KeyError, TypeError):
         return 0
     if not isinstance(mesh, dict):
         return 0
+    for item in overrides:
+        dotted, _, text = item.partition("=")
+        if dotted.startswith("mesh.") and text.lstrip("-").isdigit():
+            mesh[dotted[len("mesh."):]] = int(text)
     return simulate_for_mesh({k: v for k, v in mesh.items() if isinstance(v, int)},
                              environ=environ, say=say)
 

@@ -1,6 +1,7 @@
 """Held-out loss and perplexity of a trained run, and loss by position: does it use long context?
 
     python scripts/eval.py --run runs/demo [--batches 8] [--buckets 8] [--step N] [--out DIR]
+        [--config.FIELD=VALUE ...]
 
 Evaluates the newest complete checkpoint on the run's held-out documents (never trained on).
 Each token's loss is bucketed by its position in its document, i.e. how many tokens of context
@@ -12,6 +13,18 @@ Uses the run's own mesh, attention and layout when this machine has the devices 
 permutation); otherwise one device, dense attention, contiguous layout: the loss is the same.
 On a CPU it simulates the run's devices as train.py does (parallel/host_devices.py), unless
 XLA_FLAGS already sets a device count.
+
+``--config.FIELD=VALUE`` changes the run's config for this evaluation only (the weights are the
+checkpoint's): a longer ``data.seq_len`` with a RoPE scaling (``model.rope_scaling.type=yarn``,
+``...factor=2``, ``...original_max_len=8192``) evaluates a context extension without training,
+``data.min_doc_tokens`` keeps the long documents, and ``mesh.*`` / ``data.batch_size`` spread a
+long row over the sequence axis. For example, SmolLM2-135M (trained at 8k) at 16k with YaRN x2:
+
+    python scripts/eval.py --run runs/smollm2 --batches 4 --buckets 8 --out runs/smollm2/eval_16k_yarn \
+        --config.data.seq_len=16384 --config.data.batch_size=1 --config.data.min_doc_tokens=16384 \
+        --config.data.heldout_fraction=0.5 --config.mesh.fsdp=1 --config.mesh.sequence=8 \
+        --config.model.rope_scaling.type=yarn --config.model.rope_scaling.factor=2 \
+        --config.model.rope_scaling.original_max_len=8192
 """
 from __future__ import annotations
 
@@ -32,7 +45,34 @@ def parse_args(argv=None):
     p.add_argument("--buckets", type=int, default=8, help="position buckets over seq_len")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--out", default=None, help="where eval.json and the plot go (default RUN/eval)")
-    return p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    args.overrides = []
+    for item in rest:
+        if not item.startswith("--config."):
+            p.error(f"unrecognized argument {item}")
+        args.overrides.append(item[len("--config."):])
+    return args
+
+
+def with_overrides(run, overrides):
+    """The run with its config changed by ``FIELD=VALUE`` overrides (one line for a bad one)."""
+    import dataclasses
+
+    from configs.loading import set_field
+    from errors import ConfigError
+    from model import rope
+    if not overrides:
+        return run
+    config = run.config.copy_and_resolve_references()
+    for item in overrides:
+        dotted, eq, text = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--config.{item} is not --config.FIELD=VALUE")
+        set_field(config, dotted, text)
+    problem = rope.check(rope.from_config(config.model))
+    if problem:
+        raise ConfigError(f"model.{problem}")
+    return dataclasses.replace(run, config=config)
 
 
 def context_lengths(segment_ids_BL):
@@ -98,7 +138,7 @@ def evaluate(run, args, log) -> dict:
     import numpy as np
 
     from data.pipeline import from_layout, make_pipeline
-    from training.eval_setup import eval_setup
+    from evaluation.setup import eval_setup
     from training.state import Trainer
     config, mesh = eval_setup(run.config, log)
     pipe = make_pipeline(config, mesh)
@@ -143,7 +183,7 @@ def main(argv=None) -> int:
     from parallel.host_devices import simulate_for_run
     from training.entry import script_main, stderr
     one_process_or_exit("scripts/eval.py")
-    simulate_for_run(args.run, say=stderr)  # before jax starts
+    simulate_for_run(args.run, say=stderr, overrides=args.overrides)  # before jax starts
 
     def run_eval() -> int:
         from checkpoints.rundir import open_run
@@ -151,8 +191,9 @@ def main(argv=None) -> int:
         if args.batches < 1 or args.buckets < 1:
             raise CheckpointError(f"--batches={args.batches} and --buckets={args.buckets} must "
                                   f"be >= 1")
-        run = open_run(args.run, log=stderr)
+        run = with_overrides(open_run(args.run, log=stderr), args.overrides)
         result = evaluate(run, args, stderr)
+        result["overrides"] = args.overrides
         out = pathlib.Path(args.out) if args.out else run.directory / "eval"
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
