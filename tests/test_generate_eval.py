@@ -118,6 +118,39 @@ def test_eval_table_plot_and_json(run_dir, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+def test_eval_config_overrides_change_the_run_for_one_evaluation(run_dir, capsys):
+    """--config.FIELD=VALUE: the run's config for this evaluation only (a longer row with a
+    RoPE scaling, the mesh the devices are simulated for); a bad one is one line."""
+    import importlib.util
+
+    from checkpoints.rundir import open_run
+    from parallel.host_devices import simulate_for_run
+    spec = importlib.util.spec_from_file_location("eval_script", tr.ROOT / "scripts" / "eval.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    run = open_run(run_dir, log=lambda m: None)
+    args = ev.parse_args(["--run", str(run_dir), "--config.data.seq_len=256",
+                          "--config.model.rope_scaling.type=yarn",
+                          "--config.model.rope_scaling.factor=2",
+                          "--config.model.rope_scaling.original_max_len=128",
+                          "--config.mesh.fsdp=1", "--config.mesh.sequence=8"])
+    got = ev.with_overrides(run, args.overrides).config
+    assert (got.data.seq_len, got.model.rope_scaling.type, got.model.rope_scaling.factor,
+            got.mesh.sequence) == (256, "yarn", 2.0, 8)
+    assert run.config.data.seq_len == tr.config().data.seq_len  # the run itself is unchanged
+    env = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    assert simulate_for_run(run_dir, environ=env, say=lambda m: None,
+                            overrides=args.overrides) == 8
+    for bad, message in (("model.rope_scaling.type=linear --config.model.rope_scaling.factor=0.5",
+                          "must be >= 1"), ("model.nope=1", "nope"),
+                         ("data.seq_len", "is not --config.FIELD=VALUE")):
+        capsys.readouterr()
+        flags = [f"--config.{b}" for b in bad.split(" --config.")]
+        assert ev.main(["--run", str(run_dir), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+
+
 def test_context_lengths_and_buckets_against_a_direct_count():
     """Each token's context (tokens of its own document before it) and the bucketed mean loss,
     on fresh random packed rows, against a plain per-token loop."""
