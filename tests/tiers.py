@@ -33,6 +33,9 @@ SLOW = {
     "test_generate_eval.py": "generate.py and eval.py on a trained run",
     "test_gpu_compile.py": "Triton compiles in a process",
     "test_harness.py": "lm_eval on a trained run",
+    "test_get_smollm2.py": "a real 135M model: downloaded once, imported, beside transformers",
+    "test_gguf_file.py::test_an_import_gives_transformers_logits_greedy_tokens_and_tokenizer":
+        "generate.py's main(), its programs compiled",
     "test_hf_convert.py::test_train_from_an_import_then_export_to_transformers":
         "a whole run (train.py's entry, in process)",
     "test_hf_convert.py::test_eval_and_passkey_read_an_import_as_it_is":
@@ -174,6 +177,7 @@ NEXT = {
 
 # The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py
 # on a full run): tests/conftest.py collects them first, so that none is handed out last.
-FIRST = ["test_readme_commands.py", "test_kernels.py", "test_multiprocess.py", "test_hf_convert.py",
+FIRST = ["test_readme_commands.py", "test_kernels.py", "test_get_smollm2.py", "test_multiprocess.py",
+         "test_hf_convert.py",
          "test_state.py", "test_harness.py", "test_plan.py", "test_kv_cache.py", "test_resume.py",
          "test_attention.py"]
