@@ -201,3 +201,32 @@ def test_window_is_the_smallest_multiple_of_64_capped_at_seq_len(rng):
             assert w % 64 == 0 and prompt + new <= w < prompt + new + 64 and w <= seq_len
         else:
             assert w == seq_len
+
+
+def test_compare_evals_tables_and_plots_several_results_side_by_side(tmp_path, capsys, rng):
+    """scripts/compare_evals.py on eval.json files of random losses: each column is its file's
+    bucket losses in order, the last row their overall loss; different buckets stop in a line."""
+    from scripts import compare_evals
+    results = {}
+    for name in ("plain", "yarn"):
+        buckets = [{"start": s, "end": s + 64, "tokens": int(rng.integers(1, 99)),
+                    "loss": float(rng.uniform(0.5, 7))} for s in range(0, 256, 64)]
+        results[name] = {"loss": float(rng.uniform(1, 3)), "buckets": buckets}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "eval.json").write_text(json.dumps(results[name]))
+    capsys.readouterr()
+    assert compare_evals.main([f"{n}={tmp_path / n}" for n in results]
+                              + ["--out", str(tmp_path / "cmp.png"), "--mark", "128"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| positions | tokens | plain | yarn |"
+    for i, line in enumerate(lines[2:6]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        b = results["plain"]["buckets"][i]
+        assert cells[:2] == [f"{b['start']}-{b['end'] - 1}", str(b["tokens"])]
+        assert cells[2:] == [f"{results[n]['buckets'][i]['loss']:.3f}" for n in results]
+    assert lines[6].split("|")[3].strip() == f"{results['plain']['loss']:.3f}"
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    results["yarn"]["buckets"].pop()
+    (tmp_path / "yarn" / "eval.json").write_text(json.dumps(results["yarn"]))
+    with pytest.raises(SystemExit, match="different position buckets"):
+        compare_evals.main([f"{n}={tmp_path / n}" for n in results])
