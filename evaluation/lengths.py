@@ -45,6 +45,15 @@ def nearby_valid(config, mesh, length: int, shortest: int, step: int, want: int 
     return sorted(found)
 
 
+def next_valid(config, mesh, n: int, tries: int = 4096) -> int | None:
+    """The smallest length of at least ``n`` that the layout and mesh accept (None if none
+    within ``tries`` layout units)."""
+    if length_problem(config, mesh, n) is None:
+        return n
+    found = nearby_valid(config, mesh, n, n, unit(config, mesh), want=1, tries=tries)
+    return found[0] if found else None
+
+
 class Buckets:
     """The length a row of ``n`` tokens is padded to: the smallest valid length at or above
     the next power of two (at least 64), so that rows of many lengths share a few compiled

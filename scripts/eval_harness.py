@@ -101,8 +101,11 @@ def per_length_samples(flags: list[str], lengths: list[int], n: int) -> dict:
     return {task: index for task in tasks}
 
 
-def lm_eval_argv(args, tokenizer_dir: pathlib.Path, seq_len: int) -> tuple[list[str], int]:
-    """(lm_eval's argv, max_length): our model, its arguments and the tokenizer added."""
+def lm_eval_argv(args, tokenizer_dir: pathlib.Path, seq_len: int,
+                 fit=lambda n: n) -> tuple[list[str], int]:
+    """(lm_eval's argv, max_length): our model, its arguments and the tokenizer added.
+    ``fit(n)``: the row length the run accepts for a default max_length of ``n`` (the layout
+    and tile sizes allow only some lengths); a --max-length given is taken as it is."""
     from errors import EvalError
     flags = list(args.lm_eval)
     if not flags:
@@ -126,7 +129,7 @@ def lm_eval_argv(args, tokenizer_dir: pathlib.Path, seq_len: int) -> tuple[list[
     if not isinstance(lengths, list) or not all(isinstance(n, int) and n > 0 for n in lengths):
         raise EvalError(f"--metadata max_seq_lengths={lengths!r}: give a list of positive "
                         f"token counts, e.g. [512, 1024]")
-    max_length = args.max_length or max([seq_len, *(n + SLACK for n in lengths)])
+    max_length = args.max_length or fit(max([seq_len, *(n + SLACK for n in lengths)]))
     if args.per_length is not None:
         flags += ["--samples", json.dumps(per_length_samples(flags, lengths, args.per_length))]
     if max_length < 2:
@@ -161,6 +164,24 @@ def lm_eval_argv(args, tokenizer_dir: pathlib.Path, seq_len: int) -> tuple[list[
         max_length
 
 
+def fit_for(run, log):
+    """``fit`` for lm_eval_argv: the smallest row length from n up that the run's layout, mesh
+    and tiles accept (RULER's length + 64 is rarely one: striped over 8 devices with tiles of
+    512 takes multiples of 4,096), said in one line when it moves."""
+    def fit(n: int) -> int:
+        from evaluation.lengths import next_valid
+        from evaluation.setup import eval_setup
+        config, mesh = eval_setup(run.config, log)
+        got = next_valid(config, mesh, n)
+        if got is None:
+            return n  # the model's own check names what is wrong
+        if got != n:
+            log(f"max_length {n} is no row length of the run's layout and mesh; using {got}, "
+                f"the next that is (--max-length sets it)")
+        return got
+    return fit
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from parallel.cluster import one_process_or_exit
@@ -178,7 +199,7 @@ def main(argv=None) -> int:
         from hf.convert import write_tokenizer
         seq_len = int(run.config.data.seq_len)
         folder = run.directory / "eval" / "hf_tokenizer"
-        lm_argv, max_length = lm_eval_argv(args, folder, seq_len)
+        lm_argv, max_length = lm_eval_argv(args, folder, seq_len, fit=fit_for(run, stderr))
         write_tokenizer(run, folder, max_length)
         import evaluation.harness  # noqa: F401  (registers the stripedjax model)
         from lm_eval.__main__ import cli_evaluate

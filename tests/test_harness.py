@@ -326,6 +326,12 @@ def test_per_length_picks_the_first_samples_of_every_length(tmp_path):
         eh.lm_eval_argv(eh.parse_args(["--run", "R", "--per-length", "3", "--", "--tasks", "x",
                                        "--limit", "2", "--metadata",
                                        '{"max_seq_lengths": [512]}']), tmp_path, 128)
+    # a default the layout does not take moves to the next length it does; a given one stays
+    argv, max_length = eh.lm_eval_argv(args, tmp_path, 128, fit=lambda n: -(-n // 4096) * 4096)
+    assert max_length == 4096 and json.loads(argv[argv.index("--model_args") + 1])[
+        "max_length"] == 4096
+    given = eh.parse_args(["--run", "R", "--max-length", "1100", "--", "--tasks", "x"])
+    assert eh.lm_eval_argv(given, tmp_path, 128, fit=lambda n: 4096)[1] == 1100
     user = eh.parse_args(["--run", "R", "--", "--tasks", "x", "--model_args", "truncate=true"])
     argv, max_length = eh.lm_eval_argv(user, tmp_path, seq_len=128)
     assert max_length == 128 and argv[argv.index("--model_args") + 1] == \

@@ -185,6 +185,9 @@ def test_buckets_are_the_smallest_valid_length_from_the_next_power_of_two(rng):
             want = next((v for v in valid if v >= n), None)
         assert buckets(n) == want
     assert buckets(cap + 1) is None and EMPTY > 1_000_000
+    from evaluation.lengths import next_valid
+    for n in rng.integers(1, valid[-1] + 1, 20):
+        assert next_valid(c, mesh, int(n)) == next(v for v in valid if v >= n)
 
 
 def cache_copies(c, mesh, prompt_slots=64, gen_slots=11):
