@@ -371,5 +371,6 @@ def test_the_generation_benchmark_against_transformers_on_the_trained_run(run_di
     ll = got["loglikelihood"]
     assert ll["same_greedy"] and ll["largest_difference"] < 1e-3
     assert 0 <= ll["padding_share"] < 1
+    # every measurement is there (their values at these sizes are noise: timing is not tested)
     for ratio in (got["prefill_ratio"], ll["ratio"], *(d["ratio"] for d in got["decode"].values())):
-        assert ratio > 0
+        assert math.isfinite(ratio)
