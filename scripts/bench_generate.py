@@ -115,16 +115,10 @@ def main(argv=None) -> int:
         return recompute.generate(graphdef, one, prompt, args.new, seq_len=config.data.seq_len,
                                   usable_vocab=vocab, eos=-1)
 
-    runs = {"cache": cached, "cache_prefill": prefill_only, "no_cache": uncached}
-    outputs = {name: fn() for name, fn in runs.items()}  # warm-up: compiles
-    times = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    got = timed({"cache": cached, "cache_prefill": prefill_only, "no_cache": uncached},
+                args.repeats)
+    outputs, times, med = got["outputs"], got["times"], got["median"]
     same = outputs["cache"] == outputs["no_cache"]
-    med = {name: statistics.median(t) for name, t in times.items()}
     per_token = (med["cache"] - med["cache_prefill"]) / max(args.new - 1, 1)
     a = config.attention
     result = {
