@@ -36,6 +36,23 @@ def get_config() -> ml_collections.ConfigDict:
     # p - W < k_pos <= p; 0 = full causal attention. In the contiguous layout the ring stops
     # after the rounds the window reaches (docs/layouts.md: which layout wins with a window).
     m.sliding_window = 0
+    # Attention chosen per layer (model/pattern.py): a comma-separated list, one kind per layer,
+    # each full | sliding | full_nope | sliding_nope (sliding: model.sliding_window; _nope: no
+    # RoPE, as SmolLM3's every 4th layer). "" = every layer alike (sliding if sliding_window
+    # is set, else full). Gemma 3: five sliding, one full, repeated; the stack scans per repeat.
+    m.layer_types = ""
+    # RoPE base of the sliding layers (Gemma 3's local layers: 10000, unscaled); 0 = the
+    # model's own rope_theta and rope_scaling on every layer.
+    m.local_rope_theta = 0.0
+    m.qk_norm = False  # RMSNorm over each head's dims of q and k before RoPE (Qwen3, Gemma 3)
+    # The families' other differences from Llama; each default leaves a Llama model unchanged.
+    m.norm_unit_offset = False  # every RMSNorm scales by 1 + w, w starting at 0 (Gemma)
+    m.sandwich_norms = False  # norms on the attention and MLP outputs too (Gemma's 4 a block)
+    m.scale_embeddings = False  # embeddings times sqrt(d_model) (Gemma)
+    m.mlp_activation = "silu"  # the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU)
+    # The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma); 0 = head_dim ** -0.5.
+    m.query_pre_attn_scalar = 0.0
+    m.final_logit_softcap = 0.0  # logits C * tanh(logits / C) (Gemma 2/3's option); 0 = none
     m.tie_embeddings = False  # the output head is the embedding table (as in TinyLlama-like HF models)
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))

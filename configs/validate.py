@@ -4,7 +4,8 @@ from __future__ import annotations
 from data.files import POLICIES as BAD_RECORDS
 from data.mixture import check_fields as check_long_context_data
 from errors import ConfigError, DataError, LayoutError, MeshError
-from model import rope
+from model import pattern, rope
+from model.layers import ACTIVATIONS
 from model.decoder import DTYPES, REMAT
 from parallel import kernels, strategies
 from parallel.cluster import check_timeouts
@@ -46,6 +47,14 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(isinstance(window, int) and window >= 0,
           f"model.sliding_window={window!r} must be an int >= 0 (0: full attention; W: a query "
           f"at position p sees keys p - W < k <= p)")
+    problem = pattern.check(m)
+    _need(problem is None, problem)
+    act = m.get("mlp_activation", "silu")
+    _need(act in ACTIVATIONS, f"model.mlp_activation={act!r} is not one of {', '.join(ACTIVATIONS)}")
+    for name in ("query_pre_attn_scalar", "final_logit_softcap"):
+        value = m.get(name, 0.0)
+        _need(isinstance(value, (int, float)) and value >= 0,
+              f"model.{name}={value!r} must be a number >= 0 (0: off)")
     _need(m.remat in (*REMAT, "auto"),
           f"model.remat={m.remat!r} is not one of {', '.join((*REMAT, 'auto'))}")
     budget = float(config.train.get("memory_budget_gib", 0) or 0)

@@ -130,7 +130,6 @@ class Generator:
         self.sharded, self.mesh, self.config = sharded, sharded.mesh, sharded.config
         self.usable_vocab = int(usable_vocab)
         self.shards = int(self.mesh.shape["sequence"])
-        self.window = int(self.config.model.get("sliding_window", 0))
 
     # -- programs --------------------------------------------------------------------------
     @functools.lru_cache(maxsize=None)
@@ -161,10 +160,11 @@ class Generator:
         """(params, cache, token [B], position [B], t, key) -> (cache, next token [B]): the
         token's keys and values written at slot ``prompt_slots + t // S`` of device ``t % S``."""
         graphdef, mesh, vocab, S = self.sharded.graphdef, self.mesh, self.usable_vocab, self.shards
-        attend = jax.shard_map(functools.partial(_attend_local, window=self.window), mesh=mesh,
-                               in_specs=(TOKEN, TOKEN, TOKEN, LAYER, LAYER, ROWS,
-                                         P(BATCH_AXES)),
-                               out_specs=TOKEN)
+        def attend_for(window):  # a layer's cache read under its own window
+            return jax.shard_map(functools.partial(_attend_local, window=window), mesh=mesh,
+                                 in_specs=(TOKEN, TOKEN, TOKEN, LAYER, LAYER, ROWS,
+                                           P(BATCH_AXES)),
+                                 out_specs=TOKEN)
         write = jax.shard_map(_write_local, mesh=mesh, in_specs=(CACHE, CACHE_TOKEN, P(), P()),
                               out_specs=CACHE)
         write_pos = jax.shard_map(_write_pos_local, mesh=mesh,
@@ -182,17 +182,19 @@ class Generator:
             # cache written inside the loop is copied whole by XLA at every layer (layers x
             # cache bytes a token). Each layer's new keys and values come out of the scan and
             # are written at once, in place, after it.
-            def layer(x_B1D, xs):
+            def layer(x_B1D, xs, kind):
                 layer_state, kc_BKCD, vc_BKCD = xs
                 # one token per row: whole on every sequence device (the weights' embed axis
                 # is split over fsdp x sequence, which would otherwise split D here)
                 x_B1D = jax.lax.with_sharding_constraint(x_B1D, token_rows)
                 block = nnx.merge(block_def, layer_state)
+                attend = attend_for(kind.window)
                 return block.attend(
-                    x_B1D, pos_B1, None,
+                    x_B1D, pos_B1, None, kind=kind,
                     attention=lambda q, k, v: attend(q, k, v, kc_BKCD, vc_BKCD, cache.pos, pos_B))
 
-            x_B1D, (k_LB1KD, v_LB1KD) = jax.lax.scan(
+            # the model's own walk over its layers' pattern (one scan step per period)
+            x_B1D, (k_LB1KD, v_LB1KD) = model.over_layers(
                 layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v))
             new = Cache(write(cache.k, k_LB1KD.swapaxes(2, 3), slot, owner),
                         write(cache.v, v_LB1KD.swapaxes(2, 3), slot, owner),

@@ -61,9 +61,8 @@ class Scorer:
             model = nnx.merge(sharded.graphdef, params)
             x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
             scores_BL2 = chunked_token_losses(
-                x_BLD, batch["labels"], batch["loss_mask"], model.final_norm.scale[...],
-                model.head_DV(), eps=model.final_norm.eps, chunk=chunk, mesh=mesh,
-                compute_dtype=model.dtype, greedy_vocab=vocab)
+                x_BLD, batch["labels"], batch["loss_mask"], **model.head_args(), chunk=chunk,
+                mesh=mesh, compute_dtype=model.dtype, greedy_vocab=vocab)
             scored_BL = batch["loss_mask"] > 0
             loglik_B = -scores_BL2[..., 0].sum(-1)
             greedy_B = jnp.where(scored_BL, scores_BL2[..., 1] > 0, True).all(-1)
@@ -97,9 +96,8 @@ class Scorer:
             model = nnx.merge(sharded.graphdef, params)
             x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
             scores_BK2 = chunked_token_losses(
-                gather(x_BLD, at_BK), labels_BK, mask_BK, model.final_norm.scale[...],
-                model.head_DV(), eps=model.final_norm.eps, chunk=chunk, mesh=mesh,
-                compute_dtype=model.dtype, greedy_vocab=vocab)
+                gather(x_BLD, at_BK), labels_BK, mask_BK, **model.head_args(), chunk=chunk,
+                mesh=mesh, compute_dtype=model.dtype, greedy_vocab=vocab)
             loglik_B = -scores_BK2[..., 0].sum(-1)
             greedy_B = jnp.where(mask_BK > 0, scores_BK2[..., 1] > 0, True).all(-1)
             return loglik_B, greedy_B

@@ -1,12 +1,15 @@
 """The LLaMA-style decoder: embedding, a scanned stack of blocks, final norm, head (own or tied)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from model.layers import AttentionBackend, Block, RMSNorm, _param
+from model import pattern
+from model.layers import AttentionBackend, Block, _param, norm_from_config
 from model.loss import chunked_token_losses
 from parallel.mesh import BATCH_AXES
 
@@ -60,11 +63,18 @@ class Decoder(nnx.Module):
         # One Block's structure, parameters stacked over layers so that lax.scan can run them:
         # compile time stays flat in depth.
         self.blocks = nnx.vmap(lambda k: Block(m, backend, dtype, nnx.Rngs(k)))(keys)
-        self.final_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.final_norm = norm_from_config(m)
         self.head = None if tied else _param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"),
                                              m.init_std)
         self.dtype, self.remat, self.scan_layers = dtype, m.remat, m.scan_layers
         self.num_layers = m.num_layers
+        # Each layer's window and RoPE (model/pattern.py), static; the scan runs one period
+        # of them a step.
+        self.kinds = pattern.kinds(m)
+        self.period = pattern.period(self.kinds)
+        # Gemma: embeddings times sqrt(d_model), the factor cast to the compute dtype first
+        self.embed_scale = math.sqrt(m.d_model) if m.get("scale_embeddings", False) else None
+        self.softcap = float(m.get("final_logit_softcap", 0.0) or 0.0)  # Gemma: cap * tanh(z / cap)
         self.act_sharding = (jax.sharding.NamedSharding(backend.mesh, jax.sharding.PartitionSpec(
             BATCH_AXES, "sequence", None)) if backend.mesh is not None else None)
 
@@ -72,8 +82,19 @@ class Decoder(nnx.Module):
         """Logits [B, L, V] in fp32, in the batch's token layout (generation; training never
         makes them whole: see token_losses)."""
         x_BLD = self.final_norm(self.hidden(tokens_BL, positions_BL, segment_ids_BL))
-        return jnp.einsum("bld,dv->blv", x_BLD, self.head_DV().astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return self.cap(jnp.einsum("bld,dv->blv", x_BLD, self.head_DV().astype(self.dtype),
+                                   preferred_element_type=jnp.float32))
+
+    def cap(self, logits):
+        """Final logit soft-capping (``model.final_logit_softcap``; 0: none)."""
+        if not self.softcap:
+            return logits
+        return jnp.tanh(logits / self.softcap) * self.softcap
+
+    def head_args(self) -> dict:
+        """The final norm and head as model/loss.py's chunked_token_losses takes them."""
+        return dict(norm_scale_D=self.final_norm.weight(), head_DV=self.head_DV(),
+                    eps=self.final_norm.eps, softcap=self.softcap)
 
     def token_losses(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL,
                      chunk: int):
@@ -81,8 +102,7 @@ class Decoder(nnx.Module):
         run over chunks of ``chunk`` tokens of each device's slice (model/loss.py)."""
         x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
         mesh = self.act_sharding.mesh if self.act_sharding is not None else None
-        return chunked_token_losses(x_BLD, labels_BL, mask_BL, self.final_norm.scale[...],
-                                    self.head_DV(), eps=self.final_norm.eps, chunk=chunk,
+        return chunked_token_losses(x_BLD, labels_BL, mask_BL, **self.head_args(), chunk=chunk,
                                     mesh=mesh, compute_dtype=self.dtype)
 
     def head_DV(self):
@@ -96,37 +116,64 @@ class Decoder(nnx.Module):
         x_BLD = self.embed_tokens(tokens_BL)
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(x_BLD, layer_state):
+        def layer(x_BLD, layer_state, kind):
             if self.act_sharding is not None:
                 x_BLD = jax.lax.with_sharding_constraint(x_BLD, self.act_sharding)
             # Under remat the layer inputs are what the scan keeps for the backward
             # ([layers, B, L, D]); offload_input moves exactly these to host memory.
             x_BLD = checkpoint_name(x_BLD, "layer_input")
             block = nnx.merge(graphdef, layer_state)
-            x_BLD, kv = block.attend(x_BLD, positions_BL, segment_ids_BL)
+            x_BLD, kv = block.attend(x_BLD, positions_BL, segment_ids_BL, kind=kind)
             return x_BLD, kv if keep_kv else None
 
         if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
-        if self.scan_layers:
-            x_BLD, kv = jax.lax.scan(layer, x_BLD, stacked)
-        else:
-            kvs = []
-            for i in range(self.num_layers):
-                x_BLD, kv = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
-                kvs.append(kv)
-            kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs) if keep_kv else None
+            layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False,
+                                   static_argnums=(2,))
+        x_BLD, kv = self.over_layers(layer, x_BLD, stacked)
         return (x_BLD, kv) if keep_kv else x_BLD
+
+    def over_layers(self, layer, x, xs):
+        """``layer(x, xs_i, kind_i) -> (x, y_i)`` over the layers, in order: ``xs`` has a
+        leading layer axis; returns (x, the y_i stacked over layers). A scan over repeats of
+        the pattern's period (one layer a step when the layers are alike), then the remainder
+        (the pattern's first layers) unrolled after it."""
+        kinds, p = self.kinds, self.period
+        n = len(kinds)
+        if not self.scan_layers:
+            p = n  # unrolled: one "step" of every layer
+        if p == 1:
+            return jax.lax.scan(lambda x, xs_i: layer(x, xs_i, kinds[0]), x, xs)
+        repeats, ys = n // p, []
+        take = lambda i: jax.tree.map(lambda a: a[i], xs)
+
+        def period(x, xs_g):
+            out = []
+            for j in range(p):
+                x, y = layer(x, jax.tree.map(lambda a: a[j], xs_g), kinds[j])
+                out.append(y)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *out)
+
+        if repeats == 1:
+            x, y = period(x, jax.tree.map(lambda a: a[:p], xs))
+            ys.append(y)
+        else:
+            grouped = jax.tree.map(lambda a: a[:repeats * p].reshape(repeats, p, *a.shape[1:]), xs)
+            x, y = jax.lax.scan(period, x, grouped)
+            ys.append(jax.tree.map(lambda a: a.reshape(repeats * p, *a.shape[2:]), y))
+        for i in range(repeats * p, n):
+            x, y = layer(x, take(i), kinds[i - repeats * p])
+            ys.append(jax.tree.map(lambda a: a[None], y))
+        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
     def next_logits(self, x_BD):
         """fp32 next-token logits [B, V] of last-block outputs [B, D] (generation)."""
         x_BD = self.final_norm(x_BD)
         if self.head is None:  # tied: contract D of the [V, D] table in place (its transpose
             # is a copy of the whole table, as large as the rest of a small model's decode step)
-            return jnp.einsum("bd,vd->bv", x_BD, self.embed[...].astype(self.dtype),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("bd,dv->bv", x_BD, self.head[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+            return self.cap(jnp.einsum("bd,vd->bv", x_BD, self.embed[...].astype(self.dtype),
+                                       preferred_element_type=jnp.float32))
+        return self.cap(jnp.einsum("bd,dv->bv", x_BD, self.head[...].astype(self.dtype),
+                                   preferred_element_type=jnp.float32))
 
     def embed_tokens(self, tokens_BL):
         """The embedding rows of ``tokens_BL`` [B, L, D] in the compute dtype."""
@@ -137,7 +184,10 @@ class Decoder(nnx.Module):
             # partitioning into the batch x length layout and XLA would replicate it anyway.
             embed_VD = jax.lax.with_sharding_constraint(
                 embed_VD, jax.sharding.NamedSharding(self.act_sharding.mesh, jax.sharding.PartitionSpec()))
-        return jnp.take(embed_VD, tokens_BL, axis=0).astype(self.dtype)
+        x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(self.dtype)
+        if self.embed_scale is None:
+            return x_BLD
+        return x_BLD * jnp.asarray(self.embed_scale, jnp.float32).astype(self.dtype)
 
 
 def backend_from_config(config, mesh=None) -> AttentionBackend:

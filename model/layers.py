@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from model.pattern import LayerKind
 from model.rope import Rope, from_config as rope_from_config
 
 
@@ -28,12 +29,24 @@ def _bias(shape, axes) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("norm",))
-        self.eps = eps
+    """``unit_offset`` (Gemma): the scale is 1 + w, w stored and initialised at 0."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.scale = nnx.Param(init((dim,), jnp.float32), axes=("norm",))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.weight(), self.eps)
+
+    def weight(self):
+        """The fp32 scale the normalised input is multiplied by."""
+        return 1.0 + self.scale[...] if self.unit_offset else self.scale[...]
+
+
+def norm_from_config(m, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm of model config ``m`` over ``dim`` (default d_model)."""
+    return RMSNorm(dim or m.d_model, m.norm_eps, bool(m.get("norm_unit_offset", False)))
 
 
 def rms_norm(x, scale, eps: float):
@@ -116,9 +129,19 @@ class Attention(nnx.Module):
             self.bv = _bias((m.num_kv_heads, hd), ("kv_heads", "head_dim"))
         else:
             self.bq = self.bk = self.bv = None
+        # Qwen3 / Gemma 3: an RMSNorm over each head's dims, one weight for all heads, before RoPE
+        if m.get("qk_norm", False):
+            self.q_norm, self.k_norm = norm_from_config(m, hd), norm_from_config(m, hd)
+        else:
+            self.q_norm = self.k_norm = None
+        # Gemma's softmax scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5: the
+        # kernels keep theirs and the queries carry the ratio.
+        scalar = float(m.get("query_pre_attn_scalar", 0.0) or 0.0)
+        self.q_scale = math.sqrt(hd / scalar) if scalar and scalar != hd else None
         self.rope, self.backend, self.dtype = rope_from_config(m), backend, dtype
         # a model property (every backend, generate.py's dense one too, reads it from here);
-        # configs saved before the field existed have none: full attention
+        # configs saved before the field existed have none: full attention. The decoder passes
+        # each layer's own kind (model/pattern.py); these are the defaults.
         self.window = int(m.get("sliding_window", 0))
 
     def _project(self, x_BLD, w_DHK, b_HK):
@@ -128,78 +151,107 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         return self.attend(x_BLD, positions_BL, segment_ids_BL)[0]
 
-    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None):
+    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None,
+               kind: LayerKind | None = None):
         """(output [B, L, D], (k_BLKD, v_BLKD)): the keys and values a KV cache keeps.
-        ``attention(q, k, v)``, when given, replaces the backend (a decode step's cache)."""
-        q_BLHD, k_BLKD, v_BLKD = self.qkv(x_BLD, positions_BL)
+        ``attention(q, k, v)``, when given, replaces the backend (a decode step's cache).
+        ``kind``: this layer's window and RoPE (None: the model's one window and RoPE)."""
+        kind = kind or LayerKind(self.window, self.rope)
+        q_BLHD, k_BLKD, v_BLKD = self.qkv(x_BLD, positions_BL, kind.rope)
         if attention is None:
-            o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, self.window)
+            o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, kind.window)
         else:
             o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD)
         out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype),
                              self.wo[...].astype(self.dtype))
         return out_BLD, (k_BLKD, v_BLKD)
 
-    def qkv(self, x_BLD, positions_BL):
-        """Queries, keys (both rotated to their positions) and values."""
-        q_BLHD = self.rope(self._project(x_BLD, self.wq, self.bq), positions_BL)  # bias before RoPE
-        k_BLKD = self.rope(self._project(x_BLD, self.wk, self.bk), positions_BL)
+    def qkv(self, x_BLD, positions_BL, rope="model"):
+        """Queries, keys (both rotated to their positions) and values. ``rope``: a Rope, or
+        None for none (a NoPE layer); by default the model's."""
+        rope = self.rope if rope == "model" else rope
+        q_BLHD = self._project(x_BLD, self.wq, self.bq)  # bias before the norm and RoPE
+        k_BLKD = self._project(x_BLD, self.wk, self.bk)
+        if self.q_norm is not None:
+            q_BLHD, k_BLKD = self.q_norm(q_BLHD), self.k_norm(k_BLKD)
+        if rope is not None:
+            q_BLHD, k_BLKD = rope(q_BLHD, positions_BL), rope(k_BLKD, positions_BL)
+        if self.q_scale is not None:
+            q_BLHD = q_BLHD * jnp.asarray(self.q_scale, q_BLHD.dtype)
         return q_BLHD, k_BLKD, self._project(x_BLD, self.wv, self.bv)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu,  # SwiGLU (Llama, Qwen)
+               "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}  # GeGLU (Gemma)
+
+
 class SwiGLU(nnx.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)); ``model.mlp_activation`` picks act (silu:
+    SwiGLU; gelu_tanh: Gemma's GeGLU)."""
+
     def __init__(self, m, dtype, rngs: nnx.Rngs):
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
         self.w_gate = _param(rngs, (m.d_model, m.ffn_dim), ("embed", "mlp"), std)
         self.w_up = _param(rngs, (m.d_model, m.ffn_dim), ("embed", "mlp"), std)
         self.w_down = _param(rngs, (m.ffn_dim, m.d_model), ("mlp", "embed"), out_std)
-        self.dtype = dtype
+        self.dtype, self.activation = dtype, str(m.get("mlp_activation", "silu"))
 
     def __call__(self, x_BLD):
         c = lambda p: p[...].astype(self.dtype)
-        return swiglu(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down))
+        return swiglu(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down), self.activation)
 
 
-def swiglu(x_BLD, w_gate_DF, w_up_DF, w_down_FD):
-    return (jax.nn.silu(x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
+def swiglu(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu"):
+    return (ACTIVATIONS[activation](x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)). With
+    ``model.sandwich_norms`` (Gemma) each branch's output is normed too before it is added:
+    x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
     def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.attn_norm = norm_from_config(m)
         self.attn = Attention(m, backend, dtype, rngs)
-        self.mlp_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.mlp_norm = norm_from_config(m)
         self.mlp = SwiGLU(m, dtype, rngs)
+        if m.get("sandwich_norms", False):
+            self.attn_post_norm, self.mlp_post_norm = norm_from_config(m), norm_from_config(m)
+        else:
+            self.attn_post_norm = self.mlp_post_norm = None
         self.mlp_chunk, self.mesh = m.mlp_chunk, backend.mesh
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         return self.attend(x_BLD, positions_BL, segment_ids_BL)[0]
 
-    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None):
+    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None,
+               kind: LayerKind | None = None):
         """(output, (k, v)): the block, and the keys and values its attention saw
-        (``Attention.attend``)."""
+        (``Attention.attend``; ``kind``: the layer's window and RoPE)."""
         y_BLD, kv = self.attn.attend(self.attn_norm(x_BLD), positions_BL, segment_ids_BL,
-                                     attention)
+                                     attention, kind)
+        if self.attn_post_norm is not None:
+            y_BLD = self.attn_post_norm(y_BLD)
         # a decode step's one token is not split over the sequence axis: the MLP runs whole
         return self.feed_forward(x_BLD + y_BLD, chunked=attention is None), kv
 
     def feed_forward(self, x_BLD, chunked: bool = True):
+        post = self.mlp_post_norm if self.mlp_post_norm is not None else (lambda y: y)
         if not (self.mlp_chunk and chunked):
-            return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+            return x_BLD + post(self.mlp(self.mlp_norm(x_BLD)))
         # At long context the MLP's [tokens, ffn_dim] activations are the layer's largest:
         # run it over chunks of each device's tokens under remat (it is per token).
         from model.chunks import cast_before_gather, map_chunks
         P = jax.sharding.PartitionSpec
-        eps, dtype = self.mlp_norm.eps, self.mlp.dtype
+        eps, dtype, act = self.mlp_norm.eps, self.mlp.dtype, self.mlp.activation
         c = lambda p: cast_before_gather(p[...], dtype)
-        weights = (self.mlp_norm.scale[...], c(self.mlp.w_gate), c(self.mlp.w_up), c(self.mlp.w_down))
+        weights = (self.mlp_norm.weight(), c(self.mlp.w_gate), c(self.mlp.w_up), c(self.mlp.w_down))
         specs = (P(), P(None, "tensor"), P(None, "tensor"), P("tensor", None))
 
         def mlp(w, x_BcD, axis):
             scale, w_gate, w_up, w_down = w
-            y_BcD = swiglu(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down)
+            y_BcD = swiglu(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act)
             return jax.lax.psum(y_BcD, axis) if axis else y_BcD  # partial over ffn_dim / tensor
 
-        return x_BLD + map_chunks(mlp, weights, specs, (x_BLD,), self.mlp_chunk, self.mesh)
+        # the post-norm needs the whole of D after the psum: it runs outside the chunks
+        return x_BLD + post(map_chunks(mlp, weights, specs, (x_BLD,), self.mlp_chunk, self.mesh))

@@ -32,14 +32,16 @@ def _scoped(name):
 
 @_scoped("loss")
 def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, eps: float,
-                         chunk: int, mesh=None, compute_dtype=jnp.float32, greedy_vocab=None):
+                         chunk: int, mesh=None, compute_dtype=jnp.float32, greedy_vocab=None,
+                         softcap: float = 0.0):
     """Per-token masked cross-entropy ``[B, L]`` (fp32, 0 where masked) of hidden states
     ``x_BLD`` (before the final RMSNorm of ``norm_scale_D``) against ``labels_BL``, in the
     batch's layout. The vocabulary is split over the mesh's tensor axis (padded to divide).
 
     ``greedy_vocab=U`` (evaluation): ``[B, L, 2]`` instead, the loss and 1.0 where the label
     is the likeliest of the first U tokens (a tie counts as likeliest), as greedy decoding
-    restricted to the tokenizer's U ids would pick it."""
+    restricted to the tokenizer's U ids would pick it. ``softcap`` C > 0: the logits are
+    C * tanh(logits / C) (Gemma's final soft-capping)."""
     acc = jnp.promote_types(compute_dtype, jnp.float32)  # fp32 logits (fp64 in the tests)
     V = head_DV.shape[1]
     t = mesh.shape["tensor"] if mesh is not None else 1
@@ -51,6 +53,8 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
         scale_D, head_Dv = w
         logits_Bcv = jnp.einsum("bcd,dv->bcv", rms_norm(x_BcD, scale_D, eps), head_Dv,
                                 preferred_element_type=acc)
+        if softcap:
+            logits_Bcv = jnp.tanh(logits_Bcv / softcap) * softcap
         v = logits_Bcv.shape[-1]
         first = jax.lax.axis_index(axis) * v if axis else 0  # this shard's first vocab id
         logits_Bcv = jnp.where(first + jnp.arange(v) < V, logits_Bcv, jnp.finfo(acc).min)

@@ -112,14 +112,13 @@ class Scorer:
                 model = nnx.merge(trainer.graphdef, params)
                 x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
                 loss_BL = chunked_token_losses(
-                    x_BLD, batch["labels"], batch["loss_mask"], model.final_norm.scale[...],
-                    model.head_DV(), eps=model.final_norm.eps, chunk=chunk, mesh=mesh,
-                    compute_dtype=model.dtype)
+                    x_BLD, batch["labels"], batch["loss_mask"], **model.head_args(),
+                    chunk=chunk, mesh=mesh, compute_dtype=model.dtype)
                 # Only the answer's predecessors need the head: [B, A, V], never [B, L, V].
                 x_BAD = jnp.take_along_axis(x_BLD, slots_BA[..., None], axis=1)
-                logits_BAV = jnp.einsum("bad,dv->bav", model.final_norm(x_BAD),
-                                        model.head_DV().astype(model.dtype),
-                                        preferred_element_type=jnp.float32)
+                logits_BAV = model.cap(jnp.einsum("bad,dv->bav", model.final_norm(x_BAD),
+                                                  model.head_DV().astype(model.dtype),
+                                                  preferred_element_type=jnp.float32))
                 return loss_BL.sum(axis=1), logits_BAV
 
             self._forward = jax.jit(forward, in_shardings=(trainer.param_shardings,

@@ -1,0 +1,111 @@
+"""Attention chosen per layer: each layer's window and RoPE (Gemma 3, Qwen3, SmolLM3).
+
+``model.layer_types`` is a comma-separated list with one kind per layer:
+- ``full``: causal attention over the whole row, with the model's RoPE (``model.rope_theta``
+  and ``model.rope_scaling``);
+- ``sliding``: a sliding window of ``model.sliding_window`` tokens (a query at p sees keys
+  p - W < k <= p), with the local RoPE: base ``model.local_rope_theta`` without scaling, or
+  the model's own RoPE when that is 0 (Gemma 3's local layers: base 1e4; Qwen3's: the same);
+- ``full_nope`` / ``sliding_nope``: the same without any rotary embedding (SmolLM3's NoPE).
+An empty list is every layer alike, as before the field existed: ``sliding`` when
+``model.sliding_window`` is set, else ``full``.
+
+The stack scans over repeats of the pattern's period (Gemma 3: 5 sliding, 1 full) and runs the
+remainder after the scan (Gemma-3-1B: 26 = 4 x 6 + 2): compile time stays flat in depth, and a
+model whose layers are all alike scans one layer a step, exactly as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from model.rope import Rope, from_config as rope_from_config
+
+KINDS = ("full", "sliding", "full_nope", "sliding_nope")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """A layer's attention, static (hashable): its window (0: full) and RoPE (None: NoPE)."""
+    window: int = 0
+    rope: Rope | None = Rope()
+
+
+def names(m) -> tuple[str, ...]:
+    """Each layer's kind name, from ``model.layer_types`` (or the model's one window)."""
+    given = str(m.get("layer_types", "") or "").strip()
+    if not given:
+        return ("sliding" if int(m.get("sliding_window", 0)) else "full",) * int(m.num_layers)
+    return tuple(part.strip() for part in given.split(","))
+
+
+def check(m) -> str | None:
+    """Why ``model.layer_types`` is not valid for ``m`` (one line), or None."""
+    local = float(m.get("local_rope_theta", 0.0) or 0.0)
+    if local < 0:
+        return f"model.local_rope_theta={local:g} must be >= 0 (0: the model's own RoPE)"
+    given = str(m.get("layer_types", "") or "").strip()
+    if not given:
+        return None
+    kinds = names(m)
+    unknown = sorted({k for k in kinds if k not in KINDS})
+    if unknown:
+        return (f"model.layer_types has {', '.join(map(repr, unknown))}; each layer is one of "
+                f"{', '.join(KINDS)}")
+    if len(kinds) != int(m.num_layers):
+        return (f"model.layer_types lists {len(kinds)} layers but model.num_layers="
+                f"{m.num_layers}; give one kind per layer")
+    window = m.get("sliding_window", 0)
+    if any(k.startswith("sliding") for k in kinds) and not window:
+        return (f"model.layer_types has sliding layers but model.sliding_window={window!r}; "
+                f"a sliding layer needs a window >= 1 token")
+    return None
+
+
+def kinds(m) -> tuple[LayerKind, ...]:
+    """Each layer's ``LayerKind`` for model config ``m`` (checked by ``check`` first)."""
+    full_rope = rope_from_config(m)
+    local = float(m.get("local_rope_theta", 0.0) or 0.0)
+    local_rope = Rope(theta=local) if local else full_rope
+    window = int(m.get("sliding_window", 0))
+    out = []
+    for name in names(m):
+        sliding = name.startswith("sliding")
+        rope = None if name.endswith("_nope") else local_rope if sliding else full_rope
+        out.append(LayerKind(window=window if sliding else 0, rope=rope))
+    return tuple(out)
+
+
+def period(kinds_: tuple) -> int:
+    """The shortest p with ``kinds[i] == kinds[i % p]`` for every layer: one scan step runs
+    p layers, and the last ``len % p`` layers (the pattern's first ones) run after the scan."""
+    n = len(kinds_)
+    for p in range(1, n + 1):
+        if all(kinds_[i] == kinds_[i % p] for i in range(n)):
+            return p
+    return n
+
+
+def repeat(unit: str, num_layers: int) -> str:
+    """``layer_types`` of ``num_layers`` layers repeating ``unit`` ("sliding,full"), the last
+    repeat cut short: ``repeat("sliding,sliding,full", 4)`` = "sliding,sliding,full,sliding"."""
+    parts = [p.strip() for p in unit.split(",")]
+    return ",".join(parts[i % len(parts)] for i in range(num_layers))
+
+
+def describe(m) -> str:
+    """A short line for the startup log: ``5 sliding (W=512) : 1 full`` or ``full``."""
+    ks = names(m)
+    p = period(kinds(m))
+    unit = ks[:p]
+    runs, out = [], []
+    for k in unit:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    for k, c in runs:
+        out.append(f"{c} {k}" if c > 1 else k)
+    text = " : ".join(out)
+    if any(k.startswith("sliding") for k in unit):
+        text += f" (W={int(m.get('sliding_window', 0))})"
+    return text

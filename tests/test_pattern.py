@@ -1,0 +1,273 @@
+"""Attention chosen per layer (model/pattern.py) and the blocks of Qwen3 / Gemma 3 / SmolLM3.
+
+One small model has every family difference switched on at once: sliding and full layers with
+their own RoPE (local base, scaled global base), q/k norm, a head_dim apart from d_model /
+heads, 1 + w norms, sandwich norms, scaled embeddings, GeGLU, query_pre_attn_scalar and final
+soft-capping. Its 5 layers repeat (sliding, full) twice and end with one sliding layer: the scan
+runs 2 steps of 2 layers, then the remainder. Its logits are checked against a float64 decoder
+written here in numpy (and with NoPE layers), and its loss and gradients in every layout,
+strategy and kernel against those of one device.
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny
+from configs.validate import validate
+from errors import ConfigError
+from helpers import ppermute_hops, random_segments
+from model import pattern
+from model.decoder import Decoder
+from model.layers import AttentionBackend
+from parallel.layouts import permutation
+from parallel.mesh import make_mesh
+from parallel.window import reach
+
+VOCAB, L, W = 61, 32, 6
+
+
+def family_config(**fields):
+    c = tiny.get_config()
+    c.model.update(vocab_size=VOCAB, d_model=32, num_layers=5, num_heads=4, num_kv_heads=2,
+                   head_dim=12, ffn_dim=40, dtype="float32", remat="none", sliding_window=W,
+                   layer_types=pattern.repeat("sliding,full", 5),
+                   local_rope_theta=100.0, rope_theta=10000.0, qk_norm=True,
+                   norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
+                   mlp_activation="gelu_tanh", query_pre_attn_scalar=20.0,
+                   final_logit_softcap=3.0, tie_embeddings=True, norm_eps=1e-6)
+    c.model.rope_scaling.update(type="linear", factor=2.0)
+    c.model.update(fields)
+    return c
+
+
+def random_model(rng, config, backend=AttentionBackend(), weights_of=None):
+    """``config``'s decoder with random weights: norms' w too (they start at 0 or 1 and
+    would hide a mistake), or the weights of the model ``weights_of``."""
+    abstract = nnx.eval_shape(lambda: Decoder(config.model, backend, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    if weights_of is not None:
+        return nnx.merge(graphdef, nnx.split(weights_of)[1])
+
+    def draw(path, x):
+        names = [getattr(p, "key", None) for p in path]
+        std = 0.3 if "scale" in names else 1.0 if names[0] == "embed" else 0.25
+        return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
+
+
+@functools.cache
+def _forward(graphdef):
+    return jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))
+
+
+def logits(model, *args):
+    graphdef, state = nnx.split(model)
+    return np.asarray(_forward(graphdef)(state, *args))
+
+
+# ----------------------------------------------------------------------------- float64 decoder
+
+
+def _norm(x, w, eps, offset):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (offset + w)
+
+
+def _rope(x, pos, theta, factor=1.0):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d) / factor
+    ang = pos[..., None, None] * inv  # [B, L, 1, d/2]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
+                           x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+
+def reference_logits(params, m, tokens, pos, seg):
+    """The decoder of ``m`` in float64 numpy, layer by layer from its layer_types."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    off = 1.0 if m.norm_unit_offset else 0.0
+    eps, hd = m.norm_eps, m.head_dim
+    x = p["embed"][tokens] * (math.sqrt(m.d_model) if m.scale_embeddings else 1.0)
+    for i, kind in enumerate(m.layer_types.split(",")):
+        b = jax.tree.map(lambda a, i=i: a[i], p["blocks"])
+        a = b["attn"]
+        h = _norm(x, b["attn_norm"]["scale"], eps, off)
+        q = np.einsum("bld,dhk->blhk", h, a["wq"])
+        k = np.einsum("bld,dhk->blhk", h, a["wk"])
+        v = np.einsum("bld,dhk->blhk", h, a["wv"])
+        q = _norm(q, a["q_norm"]["scale"], eps, off)
+        k = _norm(k, a["k_norm"]["scale"], eps, off)
+        sliding = kind.startswith("sliding")
+        if not kind.endswith("_nope"):
+            theta, factor = ((m.local_rope_theta, 1.0) if sliding
+                             else (m.rope_theta, m.rope_scaling.factor))
+            q, k = _rope(q, pos, theta, factor), _rope(k, pos, theta, factor)
+        k, v = (np.repeat(t, m.num_heads // m.num_kv_heads, axis=2) for t in (k, v))
+        s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(m.query_pre_attn_scalar)
+        visible = (pos[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == seg[:, :, None])
+        if sliding:
+            visible &= pos[:, None, :] > pos[:, :, None] - m.sliding_window
+        s = np.where(visible[:, None], s, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        o = np.einsum("bhqk,bkhd->bqhd", e / e.sum(-1, keepdims=True), v)
+        y = np.einsum("blhk,hkd->bld", o, a["wo"])
+        x = x + _norm(y, b["attn_post_norm"]["scale"], eps, off)
+        h = _norm(x, b["mlp_norm"]["scale"], eps, off)
+        g = h @ b["mlp"]["w_gate"]
+        gelu = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+        y = (gelu * (h @ b["mlp"]["w_up"])) @ b["mlp"]["w_down"]
+        x = x + _norm(y, b["mlp_post_norm"]["scale"], eps, off)
+    z = _norm(x, p["final_norm"]["scale"], eps, off) @ p["embed"].T
+    return np.tanh(z / m.final_logit_softcap) * m.final_logit_softcap
+
+
+def batch(rng, rows):
+    tok = jnp.asarray(rng.integers(0, VOCAB, (rows, L)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (rows, L))
+    seg = jnp.asarray(random_segments(rng, rows, L, max_docs=2), jnp.int32)
+    return tok, pos, seg
+
+
+@pytest.mark.parametrize("unit", ["sliding,full", "full,sliding_nope,full_nope"])
+def test_mixed_stack_matches_float64(rng, unit):
+    c = family_config(layer_types=pattern.repeat(unit, 5))
+    model = random_model(rng, c)
+    tok, pos, seg = batch(rng, 2)
+    got = logits(model, tok, pos, seg)
+    params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    want = reference_logits(params, c.model, np.asarray(tok), np.asarray(pos), np.asarray(seg))
+    # soft-capped at 3: the logits span the cap, so a layer gone wrong shows
+    assert np.abs(want).max() > 1.5
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 2e-5, err
+
+
+def _loss_and_grads(model, tok, pos, seg, cot):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state):
+        return jax.value_and_grad(
+            lambda s: (nnx.merge(graphdef, s)(tok, pos, seg) * cot).sum())(state)
+
+    value, grads = run(state)
+    return float(value), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+def _compare_with_one_device(rng, backend, sequence, layout):
+    c = family_config()
+    one = random_model(rng, c)
+    laid = random_model(rng, c, backend, weights_of=one)
+    rows = 8 // sequence
+    tok, pos, seg = batch(rng, rows)
+    cot = jnp.asarray(rng.standard_normal((rows, L, VOCAB)), jnp.float32)
+    perm = permutation(layout, L, sequence, backend.stripe)
+    want_loss, want_grads = _loss_and_grads(one, tok, pos, seg, cot)
+    got_loss, got_grads = _loss_and_grads(laid, tok[:, perm], pos[:, perm], seg[:, perm],
+                                          cot[:, perm])
+    assert math.isclose(got_loss, want_loss, rel_tol=1e-5)
+    for path, g in jax.tree_util.tree_leaves_with_path(got_grads):
+        w = functools.reduce(lambda t, k: t[k.key], path, want_grads)
+        assert np.abs(g - w).max() <= 2e-5 * np.abs(w).max() + 1e-7, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("layout,impl,sequence", [
+    ("contiguous", "ring", 4), ("striped", "ring", 4), ("zigzag", "ring", 4),
+    ("striped", "allgather", 4), ("zigzag", "ulysses", 2), ("contiguous", "usp", 4)])
+def test_mixed_stack_in_every_layout_and_strategy(rng, layout, impl, sequence):
+    """Logits' loss and every gradient equal one device's (fp32 noise), packed documents."""
+    mesh = make_mesh({"data": 1, "fsdp": 8 // sequence, "sequence": sequence, "tensor": 1})
+    backend = AttentionBackend(impl=impl, layout=layout, mesh=mesh, ulysses=2, block_q=4,
+                               block_kv=4)
+    _compare_with_one_device(rng, backend, sequence, layout)
+
+
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu", "cudnn"])
+def test_mixed_stack_in_every_kernel(rng, kernel):
+    """The fused kernels (interpret mode) and cudnn's stand-in, on a contiguous ring of 2 whose
+    local layers stop after their first round."""
+    mesh = make_mesh({"data": 1, "fsdp": 4, "sequence": 2, "tensor": 1})
+    backend = AttentionBackend(impl="ring", layout="contiguous", mesh=mesh, kernel=kernel,
+                               block_q=16, block_kv=16)
+    _compare_with_one_device(rng, backend, 2, "contiguous")
+
+
+def test_local_layers_stop_the_contiguous_ring_early(rng):
+    """A ring of 4 (chunks of 8): W = 6 reaches one device back, so each sliding layer's K/V
+    make 1 hop and each full layer's 3, whatever the scan's grouping."""
+    c = family_config()
+    mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+    model = random_model(rng, c, AttentionBackend(impl="ring", layout="contiguous", mesh=mesh))
+    tok, pos, seg = batch(rng, 2)
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tok, pos, seg))(state).jaxpr
+    kinds = pattern.kinds(c.model)
+    rounds = [reach(k.window, "contiguous", L // 4, 4) if k.window else 4 for k in kinds]
+    assert sorted(set(rounds)) == [2, 4]
+    block = (1, 2, L // 4, 12)  # [B, Hkv, chunk, D] per device
+    assert ppermute_hops(jaxpr)[("float32", block)] == sum(2 * (r - 1) for r in rounds)
+
+
+def test_the_stack_scans_one_period_a_step(rng):
+    """5 layers of period 2: one scan of 2 steps (the remainder unrolled after it); a model
+    whose layers are alike scans one layer a step, as before the pattern existed."""
+    def scans(c):
+        model = random_model(rng, c)
+        graphdef, state = nnx.split(model)
+        tok, pos, seg = batch(rng, 1)
+        jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tok, pos, seg))(state)
+        return [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+
+    assert scans(family_config()) == [2]
+    assert scans(family_config(layer_types="")) == [5]
+    assert scans(family_config(num_layers=26, layer_types=pattern.repeat(
+        "sliding," * 5 + "full", 26))) == [4]
+
+
+def test_explicit_full_layers_equal_the_default_to_the_bit(rng):
+    c = family_config(layer_types="", sliding_window=0)
+    a = random_model(rng, c)
+    b = random_model(rng, family_config(layer_types="full," * 4 + "full", sliding_window=0),
+                     weights_of=a)
+    tok, pos, seg = batch(rng, 2)
+    np.testing.assert_array_equal(logits(a, tok, pos, seg), logits(b, tok, pos, seg))
+
+
+def test_default_fields_add_no_parameter():
+    """A Llama config's parameters are those it had before the families' fields existed."""
+    c = tiny.get_config()
+    abstract = nnx.eval_shape(lambda: Decoder(c.model, AttentionBackend(), nnx.Rngs(0)))
+    names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        nnx.to_pure_dict(nnx.split(abstract, nnx.Param)[1]))}
+    assert not {n for n in names if "q_norm" in n or "post_norm" in n}
+    assert {n.split("']")[-2].split("['")[-1] for n in names} == {
+        "embed", "scale", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head"}
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"layer_types": "sliding,global,full,full"}, "'global'; each layer is one of"),
+    ({"layer_types": "full,full,full"}, "lists 3 layers but model.num_layers=4"),
+    ({"layer_types": "full,sliding,full,full", "sliding_window": 0}, "sliding layers but "
+     "model.sliding_window=0"),
+    ({"local_rope_theta": -1.0}, "local_rope_theta=-1 must be >= 0"),
+    ({"mlp_activation": "relu"}, "mlp_activation='relu' is not one of silu, gelu_tanh"),
+    ({"final_logit_softcap": -30.0}, "final_logit_softcap=-30.0 must be a number >= 0"),
+])
+def test_a_bad_pattern_stops_in_one_line(fields, message):
+    c = tiny.get_config()
+    c.model.update(num_layers=4, **fields)
+    with pytest.raises(ConfigError) as e:
+        validate(c, 8)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_repeat_and_describe():
+    assert pattern.repeat("sliding,sliding,full", 4) == "sliding,sliding,full,sliding"
+    c = family_config(num_layers=12, layer_types=pattern.repeat("sliding," * 5 + "full", 12))
+    assert pattern.describe(c.model) == "5 sliding : full (W=6)"
+    assert pattern.period(pattern.kinds(c.model)) == 6
