@@ -204,7 +204,8 @@ def initial_params(rng, config, abstract_params, biases=False):
     """Parameters drawn from ``rng`` as the model's initialiser draws them, as numpy arrays in the
     structure of ``abstract_params`` (a trainer's ``abstract_state.params``): normal at
     ``init_std``, the untied embedding at std 1, the output projections (wo, w_down) at
-    ``init_std / sqrt(2 layers)``, norm scales 1, q/k/v biases 0 (``biases``: drawn at
+    ``init_std / sqrt(2 layers)``, norm scales 1 (0 with ``model.norm_unit_offset``, whose
+    scale is 1 + w), q/k/v biases 0 (``biases``: drawn at
     ``init_std`` too, so that the forward uses them). Nothing of the initialiser compiles (its
     program takes seconds to); that it draws the same parameters from a seed on any mesh:
     tests/test_state.py, test_the_initialiser_draws_the_same_parameters_on_one_device_and_on_a_mesh
@@ -216,7 +217,7 @@ def initial_params(rng, config, abstract_params, biases=False):
     def draw(path, x):
         name = path[-1].key
         if name == "scale":
-            return np.ones(x.shape, x.dtype)
+            return (np.zeros if m.get("norm_unit_offset", False) else np.ones)(x.shape, x.dtype)
         if name in ("bq", "bk", "bv") and not biases:
             return np.zeros(x.shape, x.dtype)
         std = {"embed": m.init_std if tied else 1.0, "wo": out_std, "w_down": out_std}.get(

@@ -138,6 +138,26 @@ def test_sliding_window_and_eos_and_a_stop_rule(rng):
     assert stopped == [want[0], want[1][:3]]
 
 
+def test_a_layer_pattern_reads_each_layer_under_its_own_window_and_rope(rng):
+    """Gemma's and SmolLM3's blocks (7 layers of sliding, full, full_nope: the decode step
+    scans two periods, then the remainder) on the contiguous ring: recomputing's greedy tokens."""
+    from model.pattern import repeat
+    c = config("contiguous", "ring", window=12)
+    c.model.update(num_layers=7, layer_types=repeat("sliding,full,full_nope", 7),
+                   local_rope_theta=500.0, qk_norm=True, sandwich_norms=True,
+                   norm_unit_offset=True, scale_embeddings=True, mlp_activation="gelu_tanh",
+                   query_pre_attn_scalar=10.0, final_logit_softcap=20.0)
+    params = random_params(c, int(rng.integers(1 << 30)))
+    # norm weights drawn away from their start (1 + 0), which would hide a misplaced norm
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.3 * rng.standard_normal(a.shape).astype(a.dtype)
+        if path[-1].key == "scale" else a, params)
+    prompts = [rng.integers(1, VOCAB, int(n)).tolist() for n in (40, 23)]
+    want = [reference(c, params, p, 12) for p in prompts]
+    trainer, sharded = on_mesh(c, params)
+    assert Generator(trainer, VOCAB).generate(sharded, prompts, 12, length=64, eos=-1) == want
+
+
 def test_sampling_follows_the_seed_as_without_a_cache(rng):
     """Temperature sampling draws each token with the same key as generation without a
     cache, so the same seed gives the same tokens."""
