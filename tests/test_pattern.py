@@ -161,6 +161,15 @@ def _logits_and_grads(model, tok, pos, seg, cot):
     return np.asarray(out), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 
+def assert_same(got_logits, got_grads, want_logits, want_grads):
+    """Logits and every gradient leaf equal within fp32 noise (relative to the leaf's max)."""
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0,
+                               atol=1e-5 * np.abs(want_logits).max())
+    for path, g in jax.tree_util.tree_leaves_with_path(got_grads):
+        w = functools.reduce(lambda t, k: t[k.key], path, want_grads)
+        assert np.abs(g - w).max() <= 2e-5 * np.abs(w).max() + 1e-7, jax.tree_util.keystr(path)
+
+
 def ring_config():
     """4 layers (sliding, full) x 2: the scan's two steps, each a local and a global layer
     (the remainder's layer is the float64 test's and the scan test's)."""
@@ -182,11 +191,7 @@ def _compare_with_one_device(backend, sequence, layout):
     laid = random_model(None, ring_config(), backend, weights_of=one)
     perm = permutation(layout, L, sequence, backend.stripe)
     got_logits, got_grads = _logits_and_grads(laid, *(a[:, perm] for a in inputs))
-    np.testing.assert_allclose(got_logits, want_logits[:, perm], rtol=0,
-                               atol=1e-5 * np.abs(want_logits).max())
-    for path, g in jax.tree_util.tree_leaves_with_path(got_grads):
-        w = functools.reduce(lambda t, k: t[k.key], path, want_grads)
-        assert np.abs(g - w).max() <= 2e-5 * np.abs(w).max() + 1e-7, jax.tree_util.keystr(path)
+    assert_same(got_logits, got_grads, want_logits[:, perm], want_grads)
 
 
 @pytest.mark.parametrize("layout,impl,sequence", [
@@ -284,3 +289,17 @@ def test_repeat_and_describe():
     c = family_config(num_layers=12, layer_types=pattern.repeat("sliding," * 5 + "full", 12))
     assert pattern.describe(c.model) == "5 sliding : full (W=6)"
     assert pattern.period(pattern.kinds(c.model)) == 6
+
+
+def test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact(rng):
+    """remat=full (each layer checkpointed with its own kind) and the MLP over chunks of 8
+    tokens (GeGLU inside, the sandwich norm after the chunks) give the plain stack's logits and
+    gradients."""
+    c = family_config()
+    plain = random_model(rng, c)
+    tok, pos, seg = batch(rng, 2)
+    cot = jnp.asarray(rng.standard_normal((2, L, VOCAB)), jnp.float32)
+    want_logits, want_grads = _logits_and_grads(plain, tok, pos, seg, cot)
+    other = random_model(rng, family_config(remat="full", mlp_chunk=8), weights_of=plain)
+    got_logits, got_grads = _logits_and_grads(other, tok, pos, seg, cot)
+    assert_same(got_logits, got_grads, want_logits, want_grads)

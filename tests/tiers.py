@@ -106,6 +106,13 @@ SLOW = {
     "test_profile.py::test_profile_of_a_cpu_step_adds_up_to_the_step": "a traced train step",
     "test_kv_cache.py::test_cached_greedy_tokens_equal_recomputing_the_window":
         "every layout and strategy, generating",
+    "test_kv_cache.py::test_a_layer_pattern_reads_each_layer_under_its_own_window_and_rope":
+        "a 7-layer pattern's prefill and decode compiled",
+    "test_pattern.py::test_mixed_stack_in_every_layout_and_strategy":
+        "a mixed stack's forward and backward per strategy",
+    "test_pattern.py::test_mixed_stack_in_every_kernel": "Pallas interpret mode",
+    "test_pattern.py::test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact":
+        "two stacks' forward and backward",
 }
 
 # The surface whose behaviour depends on JAX's version, for `make test-next`: Pallas (interpret
@@ -180,4 +187,4 @@ NEXT = {
 FIRST = ["test_readme_commands.py", "test_kernels.py", "test_get_smollm2.py", "test_multiprocess.py",
          "test_hf_convert.py",
          "test_state.py", "test_harness.py", "test_plan.py", "test_kv_cache.py", "test_resume.py",
-         "test_attention.py"]
+         "test_attention.py", "test_pattern.py"]
