@@ -1,5 +1,7 @@
-"""Shared shape of the LLaMA-style configs (llama_1b/3b/7b, llama3_1b/3b/8b): real runs on GPUs/TPUs."""
+"""Shared shape of the LLaMA-style configs (llama_1b/3b/7b, llama3_1b/3b/8b, and the decoders
+that differ from Llama in a few fields: qwen3_*, gemma3_*, smollm3_3b): real runs on GPUs/TPUs."""
 from configs import base
+from model.pattern import repeat  # imports no jax: configs load before the device count is set
 
 
 def llama_config(name: str, *, layers: int, d_model: int, ffn_dim: int, heads: int):
@@ -25,4 +27,54 @@ def llama3_config(name: str, *, layers: int, d_model: int, ffn_dim: int, heads: 
                    norm_eps=1e-5)
     c.model.rope_scaling.update(type="llama3", factor=rope_factor, original_max_len=8192,
                                 low_freq_factor=1.0, high_freq_factor=4.0)
+    return c
+
+
+def released_config(name: str, *, vocab: int, layers: int, d_model: int, ffn_dim: int, heads: int,
+                    kv_heads: int, head_dim: int, tied: bool, rope_theta: float, seq_len: int,
+                    norm_eps: float = 1e-6):
+    """A released model's shapes on the llama configs' training setup (remat full, MLP chunks of
+    8192, striped ring with 1024 tiles), trained at ``seq_len``, its native context."""
+    c = llama_config(name, layers=layers, d_model=d_model, ffn_dim=ffn_dim, heads=heads)
+    c.model.update(vocab_size=vocab, num_kv_heads=kv_heads, head_dim=head_dim,
+                   tie_embeddings=tied, rope_theta=rope_theta, norm_eps=norm_eps)
+    c.data.seq_len = seq_len
+    return c
+
+
+def qwen3_config(name: str, *, layers: int, d_model: int, ffn_dim: int, heads: int, tied: bool):
+    """Qwen3's dense shapes: 151,936 tokens, 8 KV heads of 128, RMSNorm on each head's q and k
+    (qk_norm), RoPE base 1,000,000, full attention on every layer, 32,768-token context."""
+    c = released_config(name, vocab=151936, layers=layers, d_model=d_model, ffn_dim=ffn_dim,
+                        heads=heads, kv_heads=8, head_dim=128, tied=tied, rope_theta=1e6,
+                        seq_len=32768)
+    c.model.qk_norm = True
+    return c
+
+
+def gemma3_config(name: str, *, vocab: int, layers: int, d_model: int, ffn_dim: int, heads: int,
+                  kv_heads: int, window: int, seq_len: int, rope_factor: float = 1.0):
+    """Gemma 3's text decoder: five sliding-window layers (local RoPE base 10,000) to one full
+    layer (base 1,000,000, linear scaling by ``rope_factor`` on the 4B and larger), heads of 256
+    with softmax scale 256^-0.5, q/k norms, norms scaling by 1 + w, a norm on each branch's output
+    too, embeddings times sqrt(d_model), GeGLU (tanh GELU), tied embeddings."""
+    c = released_config(name, vocab=vocab, layers=layers, d_model=d_model, ffn_dim=ffn_dim,
+                        heads=heads, kv_heads=kv_heads, head_dim=256, tied=True, rope_theta=1e6,
+                        seq_len=seq_len)
+    c.model.update(layer_types=repeat("sliding,sliding,sliding,sliding,sliding,full", layers),
+                   sliding_window=window, local_rope_theta=1e4, qk_norm=True,
+                   norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
+                   mlp_activation="gelu_tanh", query_pre_attn_scalar=256.0)
+    if rope_factor != 1.0:
+        c.model.rope_scaling.update(type="linear", factor=rope_factor)
+    return c
+
+
+def smollm3_config(name: str, *, layers: int, d_model: int, ffn_dim: int, heads: int, kv_heads: int):
+    """SmolLM3: Llama with every 4th layer NoPE (no rotary embedding), RoPE base 5,000,000 on the
+    others, tied embeddings, 128,256 tokens, 65,536-token context."""
+    c = released_config(name, vocab=128256, layers=layers, d_model=d_model, ffn_dim=ffn_dim,
+                        heads=heads, kv_heads=kv_heads, head_dim=d_model // heads, tied=True,
+                        rope_theta=5e6, seq_len=65536)
+    c.model.layer_types = repeat("full,full,full,full_nope", layers)
     return c

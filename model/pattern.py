@@ -17,8 +17,10 @@ model whose layers are all alike scans one layer a step, exactly as before.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from model.rope import Rope, from_config as rope_from_config
+if TYPE_CHECKING:  # importing this module must not import jax: configs/ build patterns with it
+    from model.rope import Rope
 
 KINDS = ("full", "sliding", "full_nope", "sliding_nope")
 
@@ -26,8 +28,8 @@ KINDS = ("full", "sliding", "full_nope", "sliding_nope")
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
     """A layer's attention, static (hashable): its window (0: full) and RoPE (None: NoPE)."""
-    window: int = 0
-    rope: Rope | None = Rope()
+    window: int
+    rope: Rope | None
 
 
 def names(m) -> tuple[str, ...]:
@@ -63,6 +65,7 @@ def check(m) -> str | None:
 
 def kinds(m) -> tuple[LayerKind, ...]:
     """Each layer's ``LayerKind`` for model config ``m`` (checked by ``check`` first)."""
+    from model.rope import Rope, from_config as rope_from_config
     full_rope = rope_from_config(m)
     local = float(m.get("local_rope_theta", 0.0) or 0.0)
     local_rope = Rope(theta=local) if local else full_rope

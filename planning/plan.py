@@ -61,6 +61,7 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
     ``matmul_efficiency`` of the peak: a prediction instead of a bound."""
     import jax
 
+    from model import pattern
     from model.flops import attention_flops_per_token, flops_per_token, matmul_params, param_count
     from planning.program import compile_step, planned_config
 
@@ -89,6 +90,10 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         "microbatches": base.train.microbatches, "loss_chunk": base.train.loss_chunk,
         "mlp_chunk": base.model.mlp_chunk,
         "params": param_count(m),  # equal to the built decoder's count (tests/test_params.py)
+        "num_layers": m.num_layers,
+        # each layer's attention (model.layer_types): the step time and FLOPs sum them
+        "layer_pattern": pattern.describe(m),
+        "layer_pattern_mixed": len(set(pattern.names(m))) > 1,
         "flops_per_token": {
             "model": flops_per_token(m, seq_len),
             "matmul": 6 * matmul_params(m),

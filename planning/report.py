@@ -24,9 +24,14 @@ def _bytes(b) -> str:
 
 def _si(x) -> str:
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= size:
+        if float(f"{abs(x) / size:.3g}") >= 1:  # 999.9M rounds to 1G, not "1e+03M"
             return f"{x / size:.3g}{unit}"
     return f"{x:.3g}"
+
+
+def _tiles(n) -> str:
+    """A tile count, or a per-layer mean over layers of different kinds."""
+    return f"{int(n):,}" if float(n).is_integer() else f"{n:,.1f}"
 
 
 def _seconds(s) -> str:
@@ -52,6 +57,8 @@ def markdown(plan: dict) -> str:
         "| quantity | value |",
         "|---|---|",
         f"| parameters | {plan['params']:,} ({_si(plan['params'])}) |",
+        *([f"| layers | {plan['num_layers']}: {plan['layer_pattern']} |"]
+          if plan.get("layer_pattern_mixed") else []),
         f"| FLOPs/token, model (6N + causal attention) | {_si(plan['flops_per_token']['model'])} |",
         f"| FLOPs/token, matmuls 6N | {_si(plan['flops_per_token']['matmul'])} |",
         f"| FLOPs/token, attention with the causal half (without) | "
@@ -98,11 +105,25 @@ def markdown(plan: dict) -> str:
               "| layout | critical path (tiles) | balance | attention | rest of step | step time "
               f"| tokens/s | {'MFU' if kr else 'MFU bound'} |",
               "|---|---|---|---|---|---|---|---|"]
+    mixed = any(len(p.get("kinds", ())) > 1 for p in plan["layouts"].values())
     for layout, p in plan["layouts"].items():
-        lines.append(f"| {layout} | {p['critical_path_tiles']:,} | {p['balance']:.2f} | "
+        lines.append(f"| {layout} | {_tiles(p['critical_path_tiles'])}"
+                     f"{' per layer (mean)' if mixed else ''} | {p['balance']:.2f} | "
                      f"{_seconds(p['attention_s'])} | {_seconds(p['dense_s'])} | "
                      f"{_seconds(p['projected_step_s'])} | {_si(p['tokens_per_s'])} | "
                      f"{p['mfu_bound']:.1%} |")
+    if mixed:
+        lines += ["", f"### Attention per kind of layer ({plan.get('layer_pattern', 'mixed')}; "
+                      "a contiguous ring stops after the rounds a window reaches)", "",
+                  "| layout | layers | kind | ring rounds run | critical path (tiles) | balance "
+                  "| per layer | all its layers | of the step |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for layout, p in plan["layouts"].items():
+            for k in p["kinds"]:
+                lines.append(f"| {layout} | {k['layers']} | {k['kind']} | {k['rounds']} | "
+                             f"{k['critical_path_tiles']:,} | {k['balance']:.2f} | "
+                             f"{_seconds(k['layer_s'])} | {_seconds(k['attention_s'])} | "
+                             f"{k['attention_s'] / p['projected_step_s']:.0%} |")
     if kr and kr.get("caveat"):
         lines += ["", f"Not a prediction of the attention: {kr['caveat']}."]
     if "ring_bandwidth_bytes_s" in plan:

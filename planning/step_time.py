@@ -3,11 +3,14 @@
 The model is a lower bound on the step time (an upper bound on MFU): matmuls run at the
 hardware's peak bf16 FLOP/s and links at their peak bandwidth. Two phases per step:
 
-- attention, layer by layer: ring rounds. A round lasts as long as the busiest device's tiles
-  (``parallel.schedule``: the kernel's own skip predicate) or the K/V transfer to the next
-  device, whichever is longer, since the kernel issues the next block's send before computing
-  the current one. Masked and unmasked tiles cost the same (the kernel computes the whole tile
-  and then masks); skipped tiles cost nothing. That is where the layouts differ.
+- attention, layer by layer: ring rounds, timed once per kind of layer (``model.layer_types``:
+  a sliding layer's window leaves fewer tiles, and in the contiguous layout fewer rounds, than a
+  full layer's; :func:`attention_groups`) and summed over the layers of each kind. A round
+  lasts as long as the busiest device's tiles (``parallel.schedule``: the kernel's own skip
+  predicate) or the K/V transfer to the next device, whichever is longer, since the kernel
+  issues the next block's send before computing the current one. Masked and unmasked tiles
+  cost the same (the kernel computes the whole tile and then masks); skipped tiles cost
+  nothing. That is where the layouts differ.
 - everything else (projections, MLP, head, optimizer): matmul FLOPs split over all devices,
   overlapped with the non-ring collectives of the compiled step (FSDP gathers, gradient
   reductions), so the longer of the two counts.
@@ -32,7 +35,7 @@ import dataclasses
 
 import numpy as np
 
-from model.flops import flops_per_token, head_dim, matmul_params
+from model.flops import flops_per_token, head_dim, matmul_params, window_counts
 from parallel.schedule import strategy_rounds, work
 from parallel.strategies import IMPLS
 from parallel.window import reach
@@ -274,10 +277,27 @@ def axis_crosses_nodes(mesh_sizes: dict, axis: str, hw: Hardware) -> bool:
     return bool((groups.min(axis=1) != groups.max(axis=1)).any())
 
 
+def attention_groups(m) -> list[tuple[str, int, int]]:
+    """(kind, window, layers) per distinct attention cost of model config ``m``: layers that share
+    a window do the same tiles and rounds (RoPE or NoPE costs the same), so each is timed once.
+    ``kind`` is ``full`` or ``sliding (W=...)``; a model whose layers are alike has one group."""
+    return [("full" if w == 0 else f"sliding (W={w})", w, n) for w, n in window_counts(m).items()]
+
+
+def _mean_per_layer(values: list, layers: list) -> float | int:
+    """The per-layer mean of ``values`` over the stack (an int when every layer is alike)."""
+    total = sum(v * n for v, n in zip(values, layers))
+    count = sum(layers)
+    return total // count if total % count == 0 else total / count
+
+
 def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, remat: str,
             colls: list | None = None, dtype_bytes: int = 2, rates=None) -> dict:
     """Per layout: projected step seconds, tokens/s and MFU bound, with the parts; with the
-    kernel's measured ``rates`` a prediction rather than a bound."""
+    kernel's measured ``rates`` a prediction rather than a bound. Attention is summed layer by
+    layer: ``kinds`` has each kind of layer's rounds, tiles and seconds (one entry for a model
+    whose layers are alike), and the layout's critical path and ``ring`` are per layer (the
+    mean over the layers, and the costliest kind's ring)."""
     m = config.model
     num_devices = int(np.prod([mesh_sizes[a] for a in ("data", "fsdp", "sequence", "tensor")]))
     s = shape_of(config, mesh_sizes, global_rows, dtype_bytes)
@@ -286,25 +306,37 @@ def project(config, mesh_sizes: dict, global_rows: int, hw: Hardware, layouts, r
     dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes, rates)
     tokens = global_rows * config.data.seq_len
     model_flops = flops_per_token(m, config.data.seq_len) * tokens
-    window = int(m.get("sliding_window", 0))
+    groups = attention_groups(m)
     out = {}
     for layout in layouts:
         stripe = config.attention.stripe if layout == "striped" else 1
-        w = work(layout, config.data.seq_len, s.ring, s.block_q, stripe, block_kv=s.block_kv,
-                 window=window)
-        tiles = w.tiles[:w.hops]  # a window stops the contiguous ring after the rounds it reaches
-        ring = ring_layer_time(tiles, s, hw, ring_bw, remat, rates, layout)
-        step = m.num_layers * ring["total_s"] + dense["total_s"]
+        kinds = []
+        for name, window, layers in groups:
+            w = work(layout, config.data.seq_len, s.ring, s.block_q, stripe, block_kv=s.block_kv,
+                     window=window)
+            tiles = w.tiles[:w.hops]  # a window stops the contiguous ring after the rounds it reaches
+            ring = ring_layer_time(tiles, s, hw, ring_bw, remat, rates, layout)
+            kinds.append({"kind": name, "window": window, "layers": layers, "rounds": int(w.hops),
+                          "critical_path_tiles": int(tiles.max(axis=1).sum()),
+                          "tiles_per_round_max": int(tiles.max()), "tiles": int(tiles.sum()),
+                          "balance": float(tiles.sum() / s.ring / max(tiles.max(axis=1).sum(), 1)),
+                          "layer_s": ring["total_s"], "attention_s": layers * ring["total_s"],
+                          "ring": ring})
+        counts = [k["layers"] for k in kinds]
+        attention = sum(k["attention_s"] for k in kinds)
+        step = attention + dense["total_s"]
+        critical = sum(k["critical_path_tiles"] * k["layers"] for k in kinds)
         out[layout] = {
             "projected_step_s": step,
             "tokens_per_s": tokens / step,
             "mfu_bound": model_flops / (num_devices * hw.peak_flops * step),
-            "attention_s": m.num_layers * ring["total_s"],
+            "attention_s": attention,
             "dense_s": dense["total_s"],
-            "critical_path_tiles": int(tiles.max(axis=1).sum()),
-            "tiles_per_round_max": int(tiles.max()),
-            "balance": float(tiles.sum() / s.ring / max(tiles.max(axis=1).sum(), 1)),
-            "ring": ring,
+            "critical_path_tiles": _mean_per_layer([k["critical_path_tiles"] for k in kinds], counts),
+            "tiles_per_round_max": max(k["tiles_per_round_max"] for k in kinds),
+            "balance": float(sum(k["tiles"] * k["layers"] for k in kinds) / s.ring / max(critical, 1)),
+            "ring": max(kinds, key=lambda k: k["layer_s"])["ring"],
+            "kinds": kinds,
         }
     return {"layouts": out, "dense": dense, "ring_crosses_nodes": crosses,
             "ring_bandwidth_bytes_s": ring_bw, "model_flops_per_step": model_flops}
@@ -322,7 +354,7 @@ def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware,
     dense = dense_time(config, num_devices, global_rows, hw, remat, colls, mesh_sizes, rates)
     tokens = global_rows * config.data.seq_len
     model_flops = flops_per_token(m, config.data.seq_len) * tokens
-    window = int(m.get("sliding_window", 0))
+    groups = attention_groups(m)
     degrees = valid_ulysses(config, mesh_sizes)
     candidates, invalid = [], []
     for impl in impls:
@@ -338,20 +370,28 @@ def project_strategies(config, mesh_sizes: dict, global_rows: int, hw: Hardware,
     out = {}
     for layout in layouts:
         stripe = config.attention.stripe if layout == "striped" else 1
-        tiles = work(layout, config.data.seq_len, s.ring, s.block_q, stripe,
-                     block_kv=s.block_kv, window=window).tiles
+        tiles = {window: work(layout, config.data.seq_len, s.ring, s.block_q, stripe,
+                              block_kv=s.block_kv, window=window).tiles
+                 for _, window, _ in groups}
         for impl, u in candidates:
             name = f"usp(U={u})" if impl == "usp" else impl
-            run = reach(window, layout, u * s.chunk, s.ring // u)
-            t = strategy_layer_time(impl, tiles, s, hw, remat, mesh_sizes, u, run, rates, layout)
-            step = m.num_layers * t["total_s"] + dense["total_s"]
+            attention = collective = 0.0
+            kinds = {}
+            for kind, window, layers in groups:  # each kind of layer once, times its layers
+                run = reach(window, layout, u * s.chunk, s.ring // u)
+                t = strategy_layer_time(impl, tiles[window], s, hw, remat, mesh_sizes, u, run,
+                                        rates, layout)
+                attention += layers * t["total_s"]
+                collective += layers * t["collective_s"]
+                kinds[kind] = {"layers": layers, "layer_s": t["total_s"]}
+            step = attention + dense["total_s"]
             out[f"{name} {layout}"] = {
                 "impl": impl, "ulysses": u, "layout": layout, "projected_step_s": step,
                 "tokens_per_s": tokens / step,
                 "mfu_bound": model_flops / (num_devices * hw.peak_flops * step),
-                "attention_s": m.num_layers * t["total_s"],
-                "collective_s": m.num_layers * t["collective_s"], "dense_s": dense["total_s"],
-                "links": t["links"], "attention_buffers_bytes": attention_buffers(impl, s, u)}
+                "attention_s": attention, "collective_s": collective, "dense_s": dense["total_s"],
+                "links": t["links"], "attention_buffers_bytes": attention_buffers(impl, s, u),
+                "kinds": kinds}
     fastest = min(out, key=lambda k: out[k]["projected_step_s"]) if out else None
     return {"strategies": out, "fastest": fastest,
             "invalid": [f"{i}" + (f" (U={u})" if u else "") for i, u in invalid]}

@@ -14,7 +14,9 @@ Attention is causal over whole packed rows by default, as in the paper; --docume
 it within each packed document, where the work of a step depends on its document boundaries
 (the "tile model" column then shows what that batch's schedule allows each layout to gain).
 --window W gives the model a sliding window (model.sliding_window): the contiguous ring then
-stops after the hops the window reaches, striped and zigzag keep all N (docs/layouts.md).
+stops after the hops the window reaches, striped and zigzag keep all N (docs/layouts.md). With
+model.layer_types (Gemma 3's 5 sliding : 1 full) W is the sliding layers' window and the full
+layers keep the whole row; the tile model and the FLOP share sum each layer's own.
 --processes P runs one process per CPU core over gloo (a round waits for the busiest device, as
 on a GPU ring); --processes 1 --devices N simulates N devices in one process (total-work view);
 on a GPU/TPU host use --processes 1 and the real devices.
@@ -54,7 +56,8 @@ def parse_args(argv=None):
                         "costs the same; on: attention stays within each packed document, and "
                         "the work of a step depends on where its documents start")
     p.add_argument("--window", type=int, default=0,
-                   help="sliding window W (model.sliding_window; 0: the config's, else full)")
+                   help="sliding window W (model.sliding_window: every layer's, or the sliding "
+                        "layers' with model.layer_types; 0: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="config override, e.g. --set model.num_layers=4 (repeatable)")
     p.add_argument("--out", default="runs/compare")
@@ -87,15 +90,20 @@ def layout_config(base, layout: str, seq_len: int, devices: int, args, impl: str
 
 
 def tile_critical_path(run: dict, layout: str, row: int, args, devices: int, impl: str = "ring"):
-    """The step's attention time in tile units (parallel/schedule.py): for the ring, per round
-    the busiest device's tile pairs (each strategy waits differently: ``strategy_critical_path``),
-    from the batch's own document boundaries when masked."""
+    """The step's attention time in tile units (parallel/schedule.py), per layer (the mean over
+    the layers, each with its own window: ``run["windows"]``, window -> layers): for the ring,
+    per round the busiest device's tile pairs (each strategy waits differently:
+    ``strategy_critical_path``), from the batch's own document boundaries when masked."""
     from parallel.schedule import work
     seq_len = run["pipe"].seq_len
     seg = run["pipe"].host_batch(row, natural=True)["segment_ids"] if args.document_mask == "on" \
         else None
-    w = work(layout, seq_len, devices, run["block"], segment_ids=seg, window=run["window"])
-    return w.critical_path if impl == "ring" else w.strategy_critical_path(impl, args.ulysses)
+    total = 0.0
+    for window, layers in run["windows"].items():
+        w = work(layout, seq_len, devices, run["block"], segment_ids=seg, window=window)
+        total += layers * (w.critical_path if impl == "ring"
+                           else w.strategy_critical_path(impl, args.ulysses))
+    return total / sum(run["windows"].values())
 
 
 def paired_speedup(ref: list, times: list) -> float:
@@ -111,7 +119,8 @@ def measure(args) -> list[dict]:
 
     from configs.loading import load
     from data.pipeline import make_pipeline
-    from model.flops import attention_flops_per_token, flops_per_token
+    from model.flops import attention_flops_per_token, flops_per_token, window_counts
+    from model.pattern import describe
     from parallel.mesh import make_mesh
     from training.state import Trainer
     from configs.validate import validate
@@ -133,7 +142,8 @@ def measure(args) -> list[dict]:
             pipe, trainer = make_pipeline(c, mesh), Trainer(c, mesh)
             runs[impl, layout] = {"pipe": pipe, "trainer": trainer, "state": trainer.init(c.train.seed),
                                   "block": c.attention.block_q, "times": [], "losses": [], "tiles": [],
-                                  "window": int(c.model.get("sliding_window", 0))}
+                                  "window": int(c.model.get("sliding_window", 0)),
+                                  "windows": window_counts(c.model), "pattern": describe(c.model)}
         for r in range(args.warmup + args.steps):
             order = keys[r % len(keys):] + keys[:r % len(keys)]
             for impl, layout in order:
@@ -158,6 +168,7 @@ def measure(args) -> list[dict]:
             rows.append({"layout": layout, "impl": impl, "seq_len": seq_len,
                          "processes": jax.process_count(),
                          "devices": devices, "block": run["block"], "window": run["window"],
+                         "layer_pattern": run["pattern"],
                          "median_step_s": med, "tokens_per_s": args.batch * seq_len / med,
                          "speedup_vs_contiguous": paired_speedup(ref["times"], run["times"]),
                          "tile_model_speedup": paired_speedup(ref["tiles"], run["tiles"]),
@@ -190,7 +201,9 @@ def write_report(rows: list[dict], out: pathlib.Path, devices: int):
     ideal = 2 * devices / (devices + 1)
     mask = "within each packed document" if rows[0]["document_mask"] else "causal over whole rows"
     if rows[0].get("window"):
-        mask += f", sliding window {rows[0]['window']}"
+        pattern = rows[0].get("layer_pattern", "")
+        mask += (f", layers {pattern}" if ":" in pattern
+                 else f", sliding window {rows[0]['window']}")
     lines.append(f"\n{rows[0]['processes']} process(es), {devices} devices on the sequence axis, attention "
                  f"{mask}; speedup = median over steps of the ring with the contiguous layout's "
                  f"time / this row's (the first row's when that ring is not run) "

@@ -73,3 +73,59 @@ def test_qkv_biases_are_counted_sharded_like_their_projections():
         assert b.shape == (m.num_layers, heads, 8)
         assert logical_to_spec(b.get_metadata()["axes"], b.ndim)[1] == "tensor"
         assert b.get_metadata()["axes"][0] == w.get_metadata()["axes"][1]
+
+
+def _built_count(m) -> int:
+    abstract = nnx.eval_shape(lambda: Decoder(m, AttentionBackend(), nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("name,dims,expected", [
+    # (layers, d_model, ffn, heads, kv heads, head_dim, vocab, tied): the released checkpoints'
+    # counts (Gemma-3-4B: its text decoder, without the vision tower).
+    ("qwen3_0_6b", (28, 1024, 3072, 16, 8, 128, 151936, True), 596_049_920),
+    ("qwen3_4b", (36, 2560, 9728, 32, 8, 128, 151936, True), 4_022_468_096),
+    ("qwen3_8b", (36, 4096, 12288, 32, 8, 128, 151936, False), 8_190_735_360),
+    ("gemma3_1b", (26, 1152, 6912, 4, 1, 256, 262144, True), 999_885_952),
+    ("gemma3_4b", (34, 2560, 10240, 8, 4, 256, 262208, True), 3_880_263_168),
+    ("smollm3_3b", (36, 2048, 11008, 16, 4, 128, 128256, True), 3_075_098_624),
+])
+def test_qwen3_gemma3_smollm3_param_counts_are_the_released_models(name, dims, expected):
+    """The new families' configs: shapes as their HF config.json give them, and param_count
+    (q/k norms, Gemma's sandwich norms) equal to the built decoder's and the released count."""
+    from model import pattern
+    from model.flops import matmul_params
+    m = importlib.import_module(f"configs.{name}").get_config().model
+    assert (m.num_layers, m.d_model, m.ffn_dim, m.num_heads, m.num_kv_heads, m.head_dim,
+            m.vocab_size, m.tie_embeddings) == dims
+    assert _built_count(m) == param_count(m) == expected
+    per_layer_norms = 2 * m.d_model * (2 if m.sandwich_norms else 1) + 2 * m.head_dim * m.qk_norm
+    assert param_count(m) - matmul_params(m) == (
+        m.num_layers * per_layer_norms + m.d_model + (0 if m.tie_embeddings else m.vocab_size * m.d_model))
+    assert m.qk_norm == name.startswith(("qwen3", "gemma3"))
+    if name.startswith("gemma3"):
+        assert m.layer_types.split(",") == ["full" if i % 6 == 5 else "sliding"
+                                            for i in range(m.num_layers)]
+        assert pattern.describe(m) == f"5 sliding : full (W={m.sliding_window})"
+        assert (m.rope_theta, m.local_rope_theta, m.query_pre_attn_scalar) == (1e6, 1e4, 256.0)
+    elif name == "smollm3_3b":
+        assert m.layer_types.split(",") == ["full_nope" if i % 4 == 3 else "full"
+                                            for i in range(36)]
+        assert [k.rope is None for k in pattern.kinds(m)] == [i % 4 == 3 for i in range(36)]
+    else:
+        assert pattern.names(m) == ("full",) * m.num_layers and m.rope_theta == 1e6
+
+
+def test_qk_norm_sandwich_norms_and_a_mixed_stack_are_counted_exactly():
+    """model.qk_norm adds a q and a k norm of head_dim per layer, model.sandwich_norms two more
+    d_model norms; neither is a matmul parameter, and the layers' kinds change no count."""
+    from model.flops import matmul_params
+    m = importlib.import_module("configs.tiny").get_config().model
+    m.update(num_layers=5, head_dim=16)
+    plain, plain_matmul = param_count(m), matmul_params(m)
+    assert _built_count(m) == plain
+    m.update(qk_norm=True, sandwich_norms=True, norm_unit_offset=True, sliding_window=8,
+             layer_types="sliding,sliding,full,sliding_nope,full_nope", local_rope_theta=1e4)
+    counted = _built_count(m)
+    assert counted == param_count(m) == plain + m.num_layers * (2 * 16 + 2 * m.d_model)
+    assert matmul_params(m) == plain_matmul

@@ -493,3 +493,76 @@ def test_a_round_type_measured_at_one_chunk_follows_the_diagonal_curve():
     bad = kr.Rates("x", "made up", {"diagonal": {1024: (100.0, 400.0)}})
     with pytest.raises(ValueError, match="leaves the backward no time"):
         bad.backward_flops_s("diagonal", 1024)
+
+
+def test_a_5_to_1_local_global_model_costs_the_sum_of_its_layers():
+    """Gemma-3-1B's 26 layers (22 sliding with W = 512, 4 full) at 32k on a ring of 8: its
+    attention FLOPs and each layout's planned attention time are the per-layer sum of the same
+    model with every layer full and every layer sliding, so they lie between the two; the
+    contiguous ring stops after 2 rounds on the sliding layers only."""
+    from model import pattern
+    mesh = {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}
+    layouts, hw = ["contiguous", "striped", "zigzag"], HARDWARE["h100"]
+    config = planned_config(importlib.import_module("configs.gemma3_1b").get_config(), 32768, 1,
+                            mesh, "full")
+    assert pattern.names(config.model).count("full") == 4 and config.model.sliding_window == 512
+    every = {}
+    for kind in ("full", "sliding"):
+        c = planned_config(config, 32768, 1, mesh, "full")
+        c.model.layer_types = pattern.repeat(kind, 26)
+        every[kind] = c
+    per_layer = {k: flops.attention_flops_per_token(c.model, 32768) / 26 for k, c in every.items()}
+    mixed = flops.attention_flops_per_token(config.model, 32768)
+    assert mixed == pytest.approx(4 * per_layer["full"] + 22 * per_layer["sliding"], rel=1e-12)
+    assert per_layer["sliding"] * 26 < mixed < per_layer["full"] * 26
+    # window= still gives every layer that one window
+    assert flops.attention_flops_per_token(config.model, 32768, window=0) == 26 * per_layer["full"]
+    assert flops.attention_flops_per_token(config.model, 32768, window=512) == pytest.approx(
+        26 * per_layer["sliding"], rel=1e-12)
+    proj = step_time.project(config, mesh, 1, hw, layouts, "full")["layouts"]
+    alone = {k: step_time.project(c, mesh, 1, hw, layouts, "full")["layouts"] for k, c in every.items()}
+    strategies = step_time.project_strategies(config, mesh, 1, hw, layouts, "full",
+                                              impls=("ring",))["strategies"]
+    for layout in layouts:
+        full, sliding = (alone[k][layout]["attention_s"] / 26 for k in ("full", "sliding"))
+        got = proj[layout]["attention_s"]
+        assert got == pytest.approx(4 * full + 22 * sliding, rel=1e-12), layout
+        assert 26 * sliding < got < 26 * full, layout
+        assert (alone["sliding"][layout]["projected_step_s"] < proj[layout]["projected_step_s"]
+                < alone["full"][layout]["projected_step_s"])
+        assert strategies[f"ring {layout}"]["attention_s"] == pytest.approx(got, rel=1e-12)
+        kinds = {k["kind"]: k for k in proj[layout]["kinds"]}
+        assert {k: v["layers"] for k, v in kinds.items()} == {"full": 4, "sliding (W=512)": 22}
+        assert kinds["full"]["rounds"] == 8
+        assert kinds["sliding (W=512)"]["rounds"] == (2 if layout == "contiguous" else 8)
+        assert proj[layout]["critical_path_tiles"] == pytest.approx(
+            (4 * alone["full"][layout]["critical_path_tiles"]
+             + 22 * alone["sliding"][layout]["critical_path_tiles"]) / 26)
+    # the plan's FLOPs and MFU read the same per-layer count, and its report breaks the
+    # attention down per kind of layer
+    plan = make_plan(config, mesh, 32768, 1, "h100", layouts, compile_program=False, impls=["ring"])
+    assert plan["flops_per_token"]["attention"] == mixed
+    text = report.markdown(plan)
+    assert "| layers | 26: 5 sliding : full (W=512) |" in text
+    assert "| contiguous | 22 | sliding (W=512) | 2 |" in text
+
+
+@pytest.mark.parametrize("name,seq_len,params", [
+    ("qwen3_0_6b", 32768, 596_049_920), ("qwen3_4b", 32768, 4_022_468_096),
+    ("qwen3_8b", 32768, 8_190_735_360), ("gemma3_1b", 32768, 999_885_952),
+    ("gemma3_4b", 131072, 3_880_263_168), ("smollm3_3b", 65536, 3_075_098_624)])
+def test_the_new_families_plan_at_their_native_length_on_8_gpus(name, seq_len, params):
+    """Each config plans at its data.seq_len on a ring of 8 H100s (compiled in docs/planning.md;
+    here without compiling: sizes, FLOPs, step time)."""
+    config = importlib.import_module(f"configs.{name}").get_config()
+    assert config.data.seq_len == seq_len
+    plan = make_plan(config, {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, seq_len, 1,
+                     "h100", compile_program=False, impls=["ring", "allgather", "ulysses", "usp"])
+    assert plan["params"] == params
+    assert plan["flops_per_token"]["model"] > plan["flops_per_token"]["matmul"] > 0
+    for p in plan["layouts"].values():
+        assert 0 < p["mfu_bound"] < 1 and p["projected_step_s"] > p["attention_s"] > 0
+    kinds = {k["kind"] for k in plan["layouts"]["contiguous"]["kinds"]}
+    assert kinds == ({"full", f"sliding (W={config.model.sliding_window})"}
+                     if name.startswith("gemma3") else {"full"})
+    assert plan["fastest"] in plan["strategies"]

@@ -73,13 +73,20 @@ def kernel_note(trainer: Trainer, mesh, config=None) -> str:
                                      head_dim(config.model))
         why = f" (auto: {reason})"
     if kernel == "cudnn" and config is not None and config.attention.impl == "ring":
+        from model.flops import window_counts
         from parallel.kernels import cudnn
         from parallel.layouts import permutation
         a, n = config.attention, mesh.shape["sequence"]
         perm = permutation(a.layout, config.data.seq_len, n, a.stripe)
-        return kernel + why + " (" + cudnn.startup_note(
-            perm, n, window=config.model.sliding_window, documents=bool(a.document_mask),
-            interpreted=interpreted) + ")"
+        # each layer's own window (model.layer_types): one note per window the layers use
+        notes = {w: cudnn.startup_note(perm, n, window=w, documents=bool(a.document_mask),
+                                       interpreted=interpreted)
+                 for w in window_counts(config.model)}
+        if len(notes) == 1:
+            return kernel + why + " (" + next(iter(notes.values())) + ")"
+        return kernel + why + " (" + "; ".join(
+            f"{'full' if w == 0 else f'sliding (W={w})'} layers: {note}"
+            for w, note in notes.items()) + ")"
     if interpreted:
         mode = "a dense fp32 stand-in for cuDNN" if kernel == "cudnn" else "Pallas interpret mode"
         return kernel + f" ({mode}: exact but slow)"
