@@ -151,7 +151,9 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     tokens_per_step = config.data.batch_size * L  # all microbatches: the whole global batch
     flops_tok = flops_per_token(m, L)
     peak = peak_flops_total(override_tflops=t.peak_tflops)
-    log.write(f"model: {param_count(m) / 1e6:.1f}M params, {flops_tok:.3g} FLOP/token; "
+    from model import pattern
+    layers = f"layers {pattern.describe(m)}; " if m.get("layer_types", "") else ""
+    log.write(f"model: {param_count(m) / 1e6:.1f}M params, {layers}{flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
               f"{config.attention.layout}, kernel {kernel_note(trainer, mesh, config)}; "
               f"{tokens_per_step} tokens/step"
