@@ -1,14 +1,43 @@
-"""A Hugging Face ``config.json`` (LLaMA, Mistral, Qwen2) to and from this project's model config.
+"""A Hugging Face ``config.json`` to and from this project's model config: LLaMA, Mistral, Qwen2,
+Qwen3, Gemma 3 (``Gemma3ForCausalLM``, and the language model of ``Gemma3ForConditionalGeneration``)
+and SmolLM3.
 
-RoPE arrives in either of two spellings: ``rope_theta`` + ``rope_scaling`` (released
-checkpoints, transformers 4) or ``rope_parameters`` (what transformers 5 writes); both become
-``model.rope_theta`` + ``model.rope_scaling.*``. Export writes the first spelling, which every
-transformers version reads. Qwen2 is LLaMA with biases on q, k and v (``model.qkv_bias``);
-Mistral is LLaMA with a sliding window (``model.sliding_window``, the same convention: a query at
-p sees keys p - W < k <= p) on every layer. Export: q/k/v biases -> Qwen2 (every layer sliding
-when the model has a window), else a window -> Mistral, else LLaMA. Anything the model does not
-have (another architecture, biases elsewhere, another activation, windows that differ between
-layers, another RoPE type) stops the conversion with one line naming it; ``REFUSED`` names what
+Every family is the LLaMA block with some of the model's switches on:
+- Qwen2: biases on q, k and v (``model.qkv_bias``).
+- Qwen3: an RMSNorm over each head of q and of k before RoPE (``model.qk_norm``); ``head_dim``
+  is its own field (default 128).
+- Gemma 3 (model_type ``gemma3_text``): q/k norms, RMSNorms scaling by 1 + w
+  (``model.norm_unit_offset``), norms on the attention and MLP outputs too
+  (``model.sandwich_norms``), embeddings times sqrt(hidden_size), GeGLU (``hidden_activation``
+  ``gelu_pytorch_tanh``), softmax scale ``query_pre_attn_scalar ** -0.5``, final logit
+  soft-capping, and local sliding-window / global layers (``layer_types``, by default 5 sliding :
+  1 full) with a RoPE each: ``rope_parameters`` keyed by layer type, or the older ``rope_theta``
+  + ``rope_scaling`` (the full layers') + ``rope_local_base_freq`` (the sliding layers').
+  ``Gemma3ForConditionalGeneration`` (model_type ``gemma3``) imports its ``text_config`` and
+  language-model tensors; the vision tower and projector are left out (hf/weights.py).
+- SmolLM3: NoPE layers (``no_rope_layers``, by default every 4th), and with
+  ``use_sliding_window`` a window on the layers transformers' ``layer_types`` rule gives.
+- Mistral: one sliding window on every layer.
+Each layer's kind becomes ``model.layer_types`` (full | sliding | full_nope | sliding_nope; empty
+when every layer is alike) and ``model.sliding_window`` (a query at p sees keys p - W < k <= p,
+transformers' convention); the window and the kinds are read as transformers builds the model
+(Qwen2/Qwen3: from ``max_window_layers`` on, only with ``use_sliding_window``; LLaMA never).
+
+RoPE arrives as ``rope_theta`` + ``rope_scaling`` (released checkpoints, transformers 4) or
+``rope_parameters`` (what transformers 5 writes: flat, or keyed by layer type); either becomes
+``model.rope_theta`` + ``model.rope_scaling.*`` (the full layers') and ``model.local_rope_theta``
+(the sliding layers', unscaled, when it differs). Defaults a config leaves out are transformers'
+(``DEFAULTS``: released Gemma 3 text configs list only what differs).
+
+Export writes the architecture the model's fields need (``architecture``): Gemma's fields ->
+Gemma3ForCausalLM, NoPE layers (or windows on some layers only, without biases or q/k norms) ->
+SmolLM3ForCausalLM, q/k norms -> Qwen3ForCausalLM, q/k/v biases -> Qwen2ForCausalLM, a window on
+every layer -> MistralForCausalLM, else LlamaForCausalLM; a combination none of them has stops in
+one line. RoPE goes out in the spelling every transformers version reads (``rope_theta`` +
+``rope_scaling``, and for Gemma 3 ``rope_local_base_freq``), keyed ``rope_parameters`` only
+where that cannot say it. Anything the model does not have (another architecture, biases
+elsewhere, another activation, attention soft-capping, a scaled RoPE on the sliding layers
+alone, another RoPE type) stops the conversion with one line naming it; ``REFUSED`` names what
 the known architectures that do not convert have that this model lacks.
 """
 from __future__ import annotations
@@ -19,26 +48,64 @@ from errors import ConversionError
 
 # model_type -> the architecture of it that converts.
 CONVERTS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM"}
-ARCHITECTURES = tuple(CONVERTS.values())
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+# Multimodal model_type -> (its architecture, the model_type of its language model): the
+# language model (config.json's text_config) converts, the rest is left out.
+MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
+ARCHITECTURES = tuple(CONVERTS.values()) + tuple(a for a, _ in MULTIMODAL.values())
 MODEL_TYPES = tuple(CONVERTS)
 QKV_BIAS = ("qwen2",)  # model types with biases on q, k and v (and none on o)
+QK_NORM = ("qwen3", "gemma3_text")  # model types with an RMSNorm on each head of q and k
+GEMMA = ("gemma3_text",)  # 1 + w norms, sandwich norms, scaled embeddings, its own softmax scale
+
+# transformers 5.23's defaults (its config classes') for the keys read here, where released
+# config.json files leave them out. LLaMA, Mistral and Qwen2 files list what is needed.
+DEFAULTS = {
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": 128,
+              "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "rope_theta": 10000.0},
+    "smollm3": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+                "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+                "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": True, "use_sliding_window": False,
+                "sliding_window": None, "no_rope_layer_interval": 4, "rope_theta": 2000000.0},
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True, "sliding_window": 4096,
+                    "query_pre_attn_scalar": 256, "rope_theta": 1000000.0,
+                    "rope_local_base_freq": 10000.0},
+}
 
 # Known decoders that do not convert, model_type -> (name, what it has that this model has not).
 REFUSED = {
-    "gemma": ("Gemma", "GeGLU MLP (gelu_pytorch_tanh), embeddings scaled by sqrt(hidden_size), "
-                       "RMSNorm scaling by 1 + weight"),
-    "gemma2": ("Gemma 2", "attention logit soft-capping (attn_logit_softcapping), final logit "
-                          "soft-capping, alternating local sliding-window / global layers, "
-                          "post-attention and post-MLP norms, GeGLU MLP"),
-    "gemma3_text": ("Gemma 3", "alternating local sliding-window / global layers with two RoPE "
-                               "bases, q/k RMSNorm, post-attention and post-MLP norms, GeGLU MLP"),
-    "gemma3": ("Gemma 3", "a vision tower, alternating local sliding-window / global layers with "
-                          "two RoPE bases, q/k RMSNorm, GeGLU MLP"),
+    "gemma": ("Gemma", "not mapped here (GeGLU, embeddings scaled by sqrt(hidden_size) and "
+                       "1 + weight RMSNorm without Gemma 3's q/k and sandwich norms; Gemma 3 "
+                       "converts)"),
+    "gemma2": ("Gemma 2", "attention logit soft-capping (attn_logit_softcapping)"),
+    "gemma4": ("Gemma 4", "per-layer input embeddings, a wider head and partial (proportional) "
+                          "RoPE on the global layers, keys and values shared across layers, "
+                          "a vision and audio tower"),
+    "gemma4_text": ("Gemma 4", "per-layer input embeddings, a wider head and partial "
+                               "(proportional) RoPE on the global layers, keys and values "
+                               "shared across layers"),
     "mixtral": ("Mixtral", "a mixture-of-experts MLP (num_local_experts)"),
     "qwen2_moe": ("Qwen2-MoE", "a mixture-of-experts MLP (num_experts) with a gated shared expert"),
-    "qwen3": ("Qwen3", "RMSNorm on q and k per head (q_norm, k_norm)"),
-    "qwen3_moe": ("Qwen3-MoE", "a mixture-of-experts MLP (num_experts), RMSNorm on q and k"),
+    "qwen3_moe": ("Qwen3-MoE", "a mixture-of-experts MLP (num_experts)"),
+    "qwen3_next": ("Qwen3-Next", "linear attention (Gated DeltaNet) layers, gated attention, "
+                                 "a mixture-of-experts MLP"),
+    "qwen3_5": ("Qwen3.5", "linear attention (Gated DeltaNet) layers, gated attention, partial "
+                           "RoPE, a vision tower"),
+    "qwen3_5_text": ("Qwen3.5", "linear attention (Gated DeltaNet) layers, gated attention, "
+                                "partial RoPE"),
+    "qwen3_5_moe": ("Qwen3.5-MoE", "linear attention (Gated DeltaNet) layers, gated attention, "
+                                   "a mixture-of-experts MLP, a vision tower"),
+    "qwen3_5_moe_text": ("Qwen3.5-MoE", "linear attention (Gated DeltaNet) layers, gated "
+                                        "attention, a mixture-of-experts MLP"),
     "deepseek_v2": ("DeepSeek-V2", "multi-head latent attention (low-rank q/kv), a "
                                    "mixture-of-experts MLP"),
     "deepseek_v3": ("DeepSeek-V3", "multi-head latent attention (low-rank q/kv), a "
@@ -52,31 +119,78 @@ REFUSED = {
                              "LayerNorm with biases, partial rotary embedding, GELU MLP"),
     "gpt2": ("GPT-2", "learned absolute position embeddings, LayerNorm, fused c_attn weights, "
                       "GELU MLP, biases"),
-    "olmo2": ("OLMo 2", "RMSNorm on q and k, norms after attention and MLP instead of before"),
+    "olmo2": ("OLMo 2", "RMSNorm over the whole of q and of k (not per head), norms after "
+                        "attention and MLP instead of before"),
     "cohere": ("Command R", "LayerNorm, parallel attention and MLP, logit scale"),
     "starcoder2": ("StarCoder2", "LayerNorm, GELU MLP, biases"),
 }
 # Keys that mean a mixture-of-experts MLP, whatever the model_type.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+# HF activation -> model.mlp_activation (the gated MLP's)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# The layer kinds transformers names in layer_types; only these two have a meaning here.
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _supported() -> str:
+    return f"what converts: {', '.join(ARCHITECTURES)}"
+
+
+def language_model_config(cfg: dict) -> dict:
+    """``cfg`` itself, or for a multimodal config (``MULTIMODAL``) its language model's config as
+    the multimodal class runs it, in its causal-LM class's spelling: the text_config with the
+    top-level token ids and tying of the head (the multimodal class ties by the top-level
+    flag), and without final_logit_softcapping, which Gemma3ForConditionalGeneration never
+    applies (transformers 5.23: its forward returns lm_head's logits as they are)."""
+    kind = cfg.get("model_type")
+    if kind not in MULTIMODAL:
+        return cfg
+    arch, text_kind = MULTIMODAL[kind]
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConversionError(f"config.json: model_type={kind!r} ({arch}) without a text_config; "
+                              f"the language model's config is needed")
+    out = dict(text)
+    out.setdefault("model_type", text_kind)
+    if out["model_type"] != text_kind:
+        raise ConversionError(f"config.json: text_config has model_type={out['model_type']!r}; "
+                              f"{arch}'s language model is {text_kind!r}")
+    out["architectures"] = [CONVERTS[text_kind]]
+    out["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+    out["final_logit_softcapping"] = None
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype"):
+        if key in cfg and key not in text:
+            out[key] = cfg[key]
+    return out
+
+
+def read(cfg: dict) -> dict:
+    """The decoder's config as transformers builds it: the language model's of a multimodal
+    config, with transformers' defaults for what is left out (``DEFAULTS``)."""
+    cfg = language_model_config(cfg)
+    return {**DEFAULTS.get(cfg.get("model_type"), {}), **cfg}
 
 
 def _refuse(cfg: dict):
     kind = cfg.get("model_type")
     arch = (cfg.get("architectures") or ["?"])[0]
-    supported = f"what converts: {', '.join(ARCHITECTURES)}"
     if kind in REFUSED:
         name, features = REFUSED[kind]
         raise ConversionError(f"config.json: {name} (model_type={kind!r}) does not convert: "
-                              f"{features}; {supported}")
+                              f"{features}; {_supported()}")
     for key in MOE_KEYS:
         if cfg.get(key):
             raise ConversionError(f"config.json: {key}={cfg[key]}: a mixture-of-experts MLP "
-                                  f"does not convert ({arch}); {supported}")
-    for key in SOFTCAP_KEYS:
-        if cfg.get(key):
-            raise ConversionError(f"config.json: {key}={cfg[key]}: logit soft-capping does not "
-                                  f"convert ({arch}); {supported}")
+                                  f"does not convert ({arch}); {_supported()}")
+    if cfg.get("attn_logit_softcapping"):
+        raise ConversionError(f"config.json: attn_logit_softcapping={cfg['attn_logit_softcapping']}"
+                              f": attention logit soft-capping does not convert ({arch}); "
+                              f"this model caps the final logits only; {_supported()}")
+    if cfg.get("final_logit_softcapping") and kind not in GEMMA:
+        raise ConversionError(f"config.json: final_logit_softcapping="
+                              f"{cfg['final_logit_softcapping']}: logit soft-capping does not "
+                              f"convert ({arch}); {_supported()}")
     if kind not in MODEL_TYPES or arch not in ARCHITECTURES:
         raise ConversionError(
             f"config.json: model_type={kind!r}, architecture {arch!r}; only "
@@ -86,46 +200,86 @@ def _refuse(cfg: dict):
                               "Qwen2's q/k/v biases convert (model_type 'qwen2')")
     if cfg.get("mlp_bias"):
         raise ConversionError("config.json: mlp_bias=true; this model's MLP has no biases")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConversionError(f"config.json: hidden_act={act!r}; this model's MLP is SwiGLU (silu)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConversionError("config.json: use_bidirectional_attention=true; this model's "
+                              "attention is causal")
+    key = _activation_key(cfg)
+    act = cfg.get(key, "silu")
+    if act not in ACTIVATIONS:
+        raise ConversionError(f"config.json: {key}={act!r}; this model's gated MLP takes "
+                              f"{' or '.join(map(repr, ACTIVATIONS))}")
 
 
-# The layer kinds transformers names in layer_types; only these two have a meaning here.
-FULL, SLIDING = "full_attention", "sliding_attention"
+def _activation_key(cfg: dict) -> str:
+    return "hidden_activation" if cfg.get("model_type") in GEMMA else "hidden_act"
 
 
-def _layer_types(cfg: dict, window) -> list[str]:
-    """Each layer's kind as transformers builds the model from this config.json."""
-    kind, n = cfg.get("model_type"), int(cfg.get("num_hidden_layers") or 0)
-    given = cfg.get("layer_types")
-    if kind == "mistral":
-        # MistralForCausalLM ignores layer_types (every layer reads config.sliding_window);
-        # a list of mixed kinds means another model (Ministral's alternating layers): refused.
-        return list(given) if given and len(set(given)) > 1 else [SLIDING if window else FULL] * n
-    if given:
-        return list(given)
-    if kind == "qwen2":  # Qwen2Config: layers from max_window_layers (default 28) on slide
-        first = int(cfg.get("max_window_layers", 28))
-        return [SLIDING if window and i >= first else FULL for i in range(n)]
-    return [FULL] * n
-
-
-def sliding_window(cfg: dict) -> int:
-    """``model.sliding_window`` for an HF config (0: full attention), read as transformers
-    reads it: Mistral slides every layer by ``sliding_window`` (null: none, as in v0.2+);
-    Qwen2 only with ``use_sliding_window`` true, from layer ``max_window_layers`` on (or per
-    ``layer_types``); LLaMA never. This model has one window for every layer: a config in
-    which some layers slide and others do not stops in one line."""
+def _window(cfg: dict) -> int | None:
+    """The window transformers applies to sliding layers (None: none), checked."""
     kind = cfg.get("model_type")
     window = cfg.get("sliding_window")
-    if kind == "llama" or (kind == "qwen2" and not cfg.get("use_sliding_window")):
-        window = None  # LlamaForCausalLM never reads it; Qwen2Config drops it when false
+    if kind == "llama" or (kind in ("qwen2", "qwen3", "smollm3")
+                           and not cfg.get("use_sliding_window")):
+        window = None  # LlamaForCausalLM never reads it; the others drop it when false
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise ConversionError(f"config.json: sliding_window={window!r}; it must be a whole "
                               f"number of tokens >= 1, or null for full attention")
-    types = _layer_types(cfg, window)
+    return window
+
+
+def _rope_layers(cfg: dict, n: int) -> list[bool]:
+    """Whether each layer rotates q and k (SmolLM3's no_rope_layers: 1 RoPE, 0 NoPE)."""
+    if cfg.get("model_type") != "smollm3":
+        return [True] * n
+    given = cfg.get("no_rope_layers")
+    if given is None:  # SmolLM3Config: every no_rope_layer_interval-th layer has no RoPE
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        return [bool((i + 1) % interval) for i in range(n)]
+    if not isinstance(given, list) or len(given) < n:
+        raise ConversionError(f"config.json: no_rope_layers={given!r}; it needs one 1 (RoPE) or "
+                              f"0 (NoPE) per layer, {n} in all")
+    return [bool(x) for x in given[:n]]
+
+
+def _hf_layer_types(cfg: dict, window, rope: list[bool]) -> list[str]:
+    """Each layer's kind (FULL / SLIDING) as transformers builds the model from this config."""
+    kind, n = cfg.get("model_type"), int(cfg.get("num_hidden_layers") or 0)
+    given = cfg.get("layer_types")
+    if kind == "mistral":
+        # MistralForCausalLM ignores layer_types (every layer reads config.sliding_window); a
+        # list of mixed kinds is another model's (Ministral's alternating layers): refused.
+        if given and len(set(given)) > 1:
+            raise ConversionError(
+                f"config.json: model_type 'mistral' with layer_types mixing {FULL!r} and "
+                f"{SLIDING!r}: MistralForCausalLM slides every layer by sliding_window="
+                f"{window} and ignores layer_types (Ministral's alternation is model_type "
+                f"'ministral'); a file saying both is ambiguous")
+        return [SLIDING if window else FULL] * n
+    if given:
+        if len(given) != n:
+            raise ConversionError(f"config.json: layer_types lists {len(given)} layers but "
+                                  f"num_hidden_layers={n}")
+        return list(given)
+    if kind in ("qwen2", "qwen3"):  # layers from max_window_layers (default 28) on slide
+        first = int(cfg.get("max_window_layers", 28))
+        return [SLIDING if window and i >= first else FULL for i in range(n)]
+    if kind == "smollm3":  # the NoPE layers slide
+        return [SLIDING if window and not rope[i] else FULL for i in range(n)]
+    if kind in GEMMA:  # Gemma3TextConfig: every sliding_window_pattern-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    return [FULL] * n
+
+
+def layers(cfg: dict) -> tuple[str, int]:
+    """(``model.layer_types``, ``model.sliding_window``) for a config read by ``read``:
+    each layer's kind as transformers builds the model (empty when every layer is alike) and
+    the sliding layers' window (0: none)."""
+    window = _window(cfg)
+    n = int(cfg.get("num_hidden_layers") or 0)
+    rope = _rope_layers(cfg, n)
+    types = _hf_layer_types(cfg, window, rope)
     other = sorted({t for t in types if t not in (FULL, SLIDING)})
     if other:
         raise ConversionError(f"config.json: layer_types has {', '.join(map(repr, other))} "
@@ -136,45 +290,66 @@ def sliding_window(cfg: dict) -> int:
             f"config.json: layer_types has {SLIDING!r} layers but no sliding_window applies "
             f"(use_sliding_window={cfg.get('use_sliding_window')}, "
             f"sliding_window={cfg.get('sliding_window')!r})")
-    if sliding and len(sliding) < len(types):
-        full = [i for i, t in enumerate(types) if t == FULL]
-        hint = ""
-        if kind == "qwen2" and not cfg.get("layer_types"):
-            hint = (" (Qwen2 converts with max_window_layers 0, every layer sliding, or >= "
-                    "num_hidden_layers, none)")
-        raise ConversionError(
-            f"config.json: sliding_window={window} on {_spans(sliding)}, full attention on "
-            f"{_spans(full)}; this model has one window for every layer{hint}")
-    return int(window) if sliding else 0
+    names = [("sliding" if t == SLIDING else "full") + ("" if r else "_nope")
+             for t, r in zip(types, rope)]
+    uniform = len(set(names)) == 1 and names[0] in ("full", "sliding")
+    return ("" if uniform else ",".join(names)), (int(window) if sliding else 0)
 
 
-def _spans(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> 'layers 0..2, 5'; [3] -> 'layer 3'."""
-    out, start = [], layers[0]
-    for a, b in zip(layers, layers[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}..{a}" if a > start else f"{a}")
-            start = b
-    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(out)
+def _rope_by_layer_type(cfg: dict) -> tuple[dict, dict]:
+    """(the full layers' RoPE parameters, the sliding layers'), each one flat dict with
+    rope_type and rope_theta, from any spelling, as transformers 5.23 reads them."""
+    kind = cfg.get("model_type")
+    params = cfg.get("rope_parameters")
+    legacy = cfg.get("rope_scaling")
+    keyed = isinstance(params, dict) and any(k in (FULL, SLIDING) for k in params)
+    if kind in GEMMA:
+        # Gemma3TextConfig: rope_parameters keyed by layer type; or rope_theta + rope_scaling
+        # (the full layers') + rope_local_base_freq (the sliding layers')
+        if params and not keyed:
+            raise ConversionError(f"config.json: rope_parameters={params!r}; Gemma 3 keys them "
+                                  f"by layer type ({FULL!r}, {SLIDING!r})")
+        for k in (FULL, SLIDING):
+            if keyed and k in params and not isinstance(params[k], (dict, type(None))):
+                raise ConversionError(f"config.json: rope_parameters[{k!r}]={params[k]!r} is not "
+                                      f"a dict of RoPE parameters")
+        full = dict((params or {}).get(FULL) or {"rope_type": "default"})
+        sliding = dict((params or {}).get(SLIDING) or {"rope_type": "default"})
+        if legacy and "rope_type" not in legacy and legacy.get("type", "default") != "default":
+            # merged into the full layers' {"rope_type": "default"}, transformers 5 ignores the
+            # old "type" spelling here; transformers 4 applied it
+            raise ConversionError(f"config.json: rope_scaling={legacy!r} names its type as "
+                                  f"'type', which transformers 5 ignores for Gemma 3 (4 applied "
+                                  f"it); write 'rope_type' for the RoPE meant")
+        if legacy:
+            full.update(legacy)
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1000000.0))
+        sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    else:
+        # transformers 5: a legacy rope_scaling wins over rope_parameters; keyed parameters
+        # mean one RoPE here (the families other than Gemma 3 have one for every layer)
+        flat = legacy or params or {}
+        if keyed and not legacy:
+            given = [v for k, v in params.items() if k in (FULL, SLIDING) and v is not None]
+            if any(v != given[0] for v in given[1:]):
+                raise ConversionError(
+                    f"config.json: rope_parameters differ between {FULL!r} and {SLIDING!r} "
+                    f"layers; model_type {kind!r} has one RoPE for every layer (only Gemma 3 "
+                    f"has one per layer type)")
+            flat = given[0] if given else {}
+        full = sliding = dict(flat)
+        full.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    for p in (full, sliding):
+        p.setdefault("rope_type", p.get("type", "default"))
+        factor = p.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if factor not in (None, 1, 1.0):
+            raise ConversionError(f"config.json: partial_rotary_factor={factor}; RoPE here "
+                                  f"rotates the whole head")
+    return full, sliding
 
 
-def _rope_parameters(cfg: dict) -> dict:
-    """One flat dict with rope_type and rope_theta, from either spelling."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if any(isinstance(v, dict) for v in params.values()):
-        raise ConversionError("config.json: per-layer RoPE parameters are not supported")
-    params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        raise ConversionError(f"config.json: partial_rotary_factor={factor}; RoPE here rotates "
-                              f"the whole head")
-    return params
-
-
-def rope_from_hf(cfg: dict) -> dict:
-    """``model.rope_theta`` and ``model.rope_scaling`` fields for an HF config."""
-    p = _rope_parameters(cfg)
+def _rope_fields(p: dict, cfg: dict) -> dict:
+    """``model.rope_theta`` and ``model.rope_scaling`` fields for flat RoPE parameters ``p``."""
     kind = p["rope_type"]
     kinds = {"default": "none", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
              "llama3": "llama3"}
@@ -202,6 +377,25 @@ def rope_from_hf(cfg: dict) -> dict:
     return {"rope_theta": float(p["rope_theta"]), "rope_scaling": scaling}
 
 
+def rope_from_hf(cfg: dict, layer_types: str = "") -> dict:
+    """``model.rope_theta``, ``model.rope_scaling`` (the full layers') and
+    ``model.local_rope_theta`` (the sliding layers', when it differs; 0: the same RoPE) for a
+    config read by ``read``, whose layers are ``layer_types``."""
+    full, sliding = _rope_by_layer_type(cfg)
+    fields = _rope_fields(full, cfg)
+    fields["local_rope_theta"] = 0.0
+    if "sliding" in layer_types.split(","):  # some sliding layer rotates q and k
+        local = _rope_fields(sliding, cfg)
+        if local != {k: fields[k] for k in local}:
+            if local["rope_scaling"]["type"] != "none":
+                raise ConversionError(
+                    f"config.json: the {SLIDING!r} layers' RoPE has rope_type "
+                    f"{sliding['rope_type']!r}; here the sliding layers take the full layers' "
+                    f"RoPE or an unscaled one of their own (model.local_rope_theta)")
+            fields["local_rope_theta"] = local["rope_theta"]
+    return fields
+
+
 def _yarn_attention_factor(p: dict, factor: float) -> float | None:
     """The attention factor transformers derives when mscale and mscale_all_dim are given
     (DeepSeek's spelling); None keeps the plain 0.1 ln(factor) + 1."""
@@ -218,8 +412,11 @@ def _yarn_attention_factor(p: dict, factor: float) -> float | None:
 
 
 def model_fields(cfg: dict) -> dict:
-    """The ``config.model`` fields an HF LLaMA / Mistral / Qwen2 config sets."""
+    """The ``config.model`` fields an HF config of a family that converts sets (every field a
+    family may set, so that the ``--config`` file's own values never leak into an import)."""
+    cfg = read(cfg)
     _refuse(cfg)
+    kind = cfg["model_type"]
     try:
         d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         fields = {"vocab_size": int(cfg["vocab_size"]), "d_model": d,
@@ -228,77 +425,192 @@ def model_fields(cfg: dict) -> dict:
                   "ffn_dim": int(cfg["intermediate_size"]),
                   "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
                   "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-                  "qkv_bias": cfg["model_type"] in QKV_BIAS,
-                  "sliding_window": sliding_window(cfg)}
+                  "qkv_bias": kind in QKV_BIAS}
     except KeyError as e:
-        raise ConversionError(f"config.json lacks {e.args[0]!r}, which a LLaMA config has") from None
+        raise ConversionError(f"config.json lacks {e.args[0]!r}, which a "
+                              f"{CONVERTS[kind]} config has") from None
+    fields["layer_types"], fields["sliding_window"] = layers(cfg)
     head_dim = int(cfg.get("head_dim") or d // heads)
     fields["head_dim"] = 0 if head_dim * heads == d else head_dim
-    fields.update(rope_from_hf(cfg))
+    gemma = kind in GEMMA
+    scalar = cfg.get("query_pre_attn_scalar") if gemma else None
+    fields.update(
+        qk_norm=kind in QK_NORM, norm_unit_offset=gemma, sandwich_norms=gemma,
+        scale_embeddings=gemma, mlp_activation=ACTIVATIONS[cfg.get(_activation_key(cfg), "silu")],
+        query_pre_attn_scalar=float(scalar or 0.0),
+        final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0)
+    fields.update(rope_from_hf(cfg, fields["layer_types"] or
+                               ("sliding" if fields["sliding_window"] else "full")))
     return fields
+
+
+# ---------------------------------------------------------------------------------- export
+
+GEMMA_BLOCK = ("qk_norm", "norm_unit_offset", "sandwich_norms", "scale_embeddings")
+# What an export writes itself; an imported config's values of these never pass through.
+WRITTEN = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "torch_dtype",
+           "dtype", "original_max_position_embeddings", "transformers_version", "layer_types",
+           "use_sliding_window", "max_window_layers", "sliding_window", "sliding_window_pattern",
+           "_sliding_window_pattern", "no_rope_layers", "no_rope_layer_interval",
+           "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+           "use_bidirectional_attention", "hidden_act", "hidden_activation", "attention_bias",
+           "mlp_bias", "head_dim")
+
+
+def architecture(m) -> str:
+    """The model_type an export of model config ``m`` writes: Gemma's fields -> gemma3_text,
+    NoPE layers -> smollm3, q/k norms -> qwen3, q/k/v biases -> qwen2, a window on every layer
+    -> mistral, on some layers -> smollm3 (per-layer windows, RoPE on each), else llama. A
+    combination no Hugging Face architecture has is one line naming it."""
+    from model import pattern
+    from model.rope import Rope, from_config
+    names = pattern.names(m)
+    hd = m.head_dim or m.d_model // m.num_heads
+    on = lambda f: bool(m.get(f, False))  # noqa: E731
+    local = float(m.get("local_rope_theta", 0.0) or 0.0)
+    scalar = float(m.get("query_pre_attn_scalar", 0.0) or 0.0)
+    gemma = [f for f in GEMMA_BLOCK[1:] if on(f)]
+    if float(m.get("final_logit_softcap", 0.0) or 0.0):
+        gemma.append("final_logit_softcap")
+    if scalar and scalar != hd:
+        gemma.append("query_pre_attn_scalar")
+    if local and "sliding" in names and Rope(theta=local) != from_config(m):
+        gemma.append("local_rope_theta")  # a RoPE of their own on the sliding layers
+    nope = any(k.endswith("_nope") for k in names)
+    sliding = [k.startswith("sliding") for k in names]
+    if gemma:
+        missing = [f for f in GEMMA_BLOCK if not on(f)]
+        extra = (["qkv_bias"] if on("qkv_bias") else []) + (["NoPE layers"] if nope else [])
+        if missing or extra:
+            what = ", ".join([f"model.{f}" for f in gemma] + [f"not model.{f}" for f in missing]
+                             + [f"model.{f}" if f == "qkv_bias" else f for f in extra])
+            raise ConversionError(
+                f"{what}: no Hugging Face architecture has this combination "
+                f"(Gemma3ForCausalLM has all of {', '.join(GEMMA_BLOCK)}, and no q/k/v biases "
+                f"or NoPE layers)")
+        if m.d_model % m.num_heads:
+            raise ConversionError(f"model.d_model={m.d_model} is not a multiple of num_heads="
+                                  f"{m.num_heads}, which Gemma3TextConfig requires")
+        if scalar and scalar != int(scalar):
+            raise ConversionError(f"model.query_pre_attn_scalar={scalar:g}: Gemma3TextConfig "
+                                  f"takes a whole number")
+        return "gemma3_text"
+    if nope:
+        for f in ("qk_norm", "qkv_bias"):
+            if on(f):
+                raise ConversionError(
+                    f"model.layer_types has NoPE layers and model.{f}: no Hugging Face "
+                    f"architecture has both (SmolLM3ForCausalLM, the one with NoPE layers, has "
+                    f"neither q/k norms nor q/k/v biases)")
+        return "smollm3"
+    if on("qk_norm"):
+        if on("qkv_bias"):
+            raise ConversionError("model.qk_norm and model.qkv_bias: no Hugging Face "
+                                  "architecture has both (Qwen3's attention_bias puts biases "
+                                  "on q, k, v and o)")
+        return "qwen3"
+    if on("qkv_bias"):
+        return "qwen2"
+    if any(sliding):
+        return "mistral" if all(sliding) else "smollm3"
+    return "llama"
+
+
+def _hf_rope(rope) -> tuple[float, dict | None, int | None]:
+    """(rope_theta, rope_scaling in transformers' spelling or None, the max_position_embeddings
+    dynamic scaling needs or None) of a model.rope.Rope."""
+    scaling, max_pos = None, None
+    if rope.scaling == "linear":
+        scaling = {"rope_type": "linear", "factor": float(rope.factor)}
+    elif rope.scaling == "dynamic":
+        scaling = {"rope_type": "dynamic", "factor": float(rope.factor)}
+        max_pos = int(rope.original_max_len)  # where transformers starts to grow the base
+    elif rope.scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": float(rope.factor),
+                   "original_max_position_embeddings": int(rope.original_max_len),
+                   "low_freq_factor": float(rope.low_freq_factor),
+                   "high_freq_factor": float(rope.high_freq_factor)}
+    elif rope.scaling == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(rope.factor),
+                   "original_max_position_embeddings": int(rope.original_max_len)}
+        # Only what differs from transformers' defaults, so that the config reads as imported.
+        for key, value, default in (("beta_fast", float(rope.beta_fast), 32.0),
+                                    ("beta_slow", float(rope.beta_slow), 1.0),
+                                    ("truncate", bool(rope.truncate), True),
+                                    ("attention_factor", float(rope.attention_factor), 0.0)):
+            if value != default:
+                scaling[key] = value
+    return float(rope.theta), scaling, max_pos
 
 
 def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None,
               eos: int | None) -> dict:
-    """An HF ``config.json`` for model config ``m`` (over ``base``, the imported one, if any)."""
-    out = dict(base or {})
-    for stale in ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype",
-                  "original_max_position_embeddings", "transformers_version"):
-        out.pop(stale, None)
+    """An HF ``config.json`` for model config ``m`` (over ``base``, the imported one, if any:
+    a multimodal one's language model)."""
+    from model import pattern
+    from model.rope import from_config
+    kind = architecture(m)
+    base = language_model_config(base) if base else {}
+    same_family = base.get("model_type") == kind
+    out = {k: v for k, v in base.items() if k not in WRITTEN}
     hd = m.head_dim or m.d_model // m.num_heads
-    s = m.rope_scaling
-    max_pos = max(int(seq_len), int(out.get("max_position_embeddings") or 0))
-    scaling = None
-    if s.type == "linear":
-        scaling = {"rope_type": "linear", "factor": float(s.factor)}
-    elif s.type == "dynamic":
-        scaling = {"rope_type": "dynamic", "factor": float(s.factor)}
-        max_pos = int(s.original_max_len)  # where transformers starts to grow the base
-    elif s.type == "llama3":
-        scaling = {"rope_type": "llama3", "factor": float(s.factor),
-                   "original_max_position_embeddings": int(s.original_max_len),
-                   "low_freq_factor": float(s.low_freq_factor),
-                   "high_freq_factor": float(s.high_freq_factor)}
-    elif s.type == "yarn":
-        scaling = {"rope_type": "yarn", "factor": float(s.factor),
-                   "original_max_position_embeddings": int(s.original_max_len)}
-        # Only what differs from transformers' defaults, so that the config reads as imported.
-        for key, value, default in (("beta_fast", float(s.beta_fast), 32.0),
-                                    ("beta_slow", float(s.beta_slow), 1.0),
-                                    ("truncate", bool(s.truncate), True),
-                                    ("attention_factor", float(s.attention_factor), 0.0)):
-            if value != default:
-                scaling[key] = value
+    theta, scaling, dynamic_max = _hf_rope(from_config(m))
+    max_pos = dynamic_max or max(int(seq_len), int(base.get("max_position_embeddings") or 0))
+    names = pattern.names(m)
     window = int(m.get("sliding_window", 0))
-    kind = "qwen2" if m.get("qkv_bias", False) else "mistral" if window else "llama"
+    types = [SLIDING if k.startswith("sliding") else FULL for k in names]
+    sliding = [i for i, t in enumerate(types) if t == SLIDING]
+    act = {v: k for k, v in ACTIVATIONS.items()}[str(m.get("mlp_activation", "silu"))]
     out.update({
         "architectures": [CONVERTS[kind]], "model_type": kind,
         "vocab_size": int(m.vocab_size), "hidden_size": int(m.d_model),
         "intermediate_size": int(m.ffn_dim), "num_hidden_layers": int(m.num_layers),
         "num_attention_heads": int(m.num_heads), "num_key_value_heads": int(m.num_kv_heads),
-        "head_dim": int(hd), "hidden_act": "silu", "rms_norm_eps": float(m.norm_eps),
+        "head_dim": int(hd), "rms_norm_eps": float(m.norm_eps),
         "attention_dropout": 0.0, "tie_word_embeddings": bool(m.get("tie_embeddings", False)),
-        "max_position_embeddings": max_pos, "rope_theta": float(m.rope_theta),
-        "rope_scaling": scaling, "torch_dtype": dtype, "use_cache": True})
-    out.pop("layer_types", None)  # one kind for every layer: transformers derives them
-    if kind == "qwen2":
-        # Qwen2's own switch; without a window, sliding_window and max_window_layers stay as
-        # imported (unused). With one, every layer slides: from layer 0 on.
-        out["use_sliding_window"] = bool(window)
-        if window:
-            out.update(sliding_window=window, max_window_layers=0)
+        "max_position_embeddings": max_pos, "torch_dtype": dtype, "use_cache": True})
+    out["hidden_activation" if kind in GEMMA else "hidden_act"] = act
+    if kind in GEMMA:
+        local = float(m.get("local_rope_theta", 0.0) or 0.0)
+        full = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+        if local or not scaling or "sliding" not in names:
+            # the spelling every version reads: rope_scaling is the full layers' alone
+            out.update(rope_theta=theta, rope_local_base_freq=local or theta, rope_scaling=scaling)
+        else:  # the sliding layers take the full layers' scaled RoPE: only keyed says it
+            out["rope_parameters"] = {FULL: full, SLIDING: dict(full)}
+        scalar = float(m.get("query_pre_attn_scalar", 0.0) or 0.0) or hd
+        cap = float(m.get("final_logit_softcap", 0.0) or 0.0)
+        out.update(layer_types=types, query_pre_attn_scalar=int(scalar),
+                   final_logit_softcapping=cap or None, attn_logit_softcapping=None,
+                   use_bidirectional_attention=False, attention_bias=False,
+                   # Gemma3TextModel builds the sliding mask whatever the layers: a window
+                   # always (unused when no layer slides)
+                   sliding_window=window or int(base.get("sliding_window") or 4096))
     else:
-        out.pop("use_sliding_window", None)
-        out.pop("max_window_layers", None)
-        if kind == "mistral":
-            out["sliding_window"] = window
-        else:
-            out.pop("sliding_window", None)
-    for key in ("attention_bias", "mlp_bias"):  # LlamaConfig's own fields
-        if kind == "llama":
-            out[key] = False
-        else:
-            out.pop(key, None)
+        out.update(rope_theta=theta, rope_scaling=scaling)
+    if kind in ("qwen2", "qwen3"):
+        # their own switch; without a sliding layer sliding_window and max_window_layers stay
+        # as imported (unused). With some, layer_types says which, and max_window_layers too
+        # where they are the last ones (as transformers 4 reads it).
+        out["use_sliding_window"] = bool(sliding)
+        if sliding:
+            suffix = sliding == list(range(sliding[0], len(types)))
+            out.update(sliding_window=window, layer_types=types,
+                       max_window_layers=sliding[0] if suffix else len(types))
+        elif same_family:
+            for key in ("sliding_window", "max_window_layers"):
+                if key in base:
+                    out[key] = base[key]
+    elif kind == "mistral":
+        out["sliding_window"] = window
+    elif kind == "smollm3":
+        out.update(no_rope_layers=[0 if k.endswith("_nope") else 1 for k in names],
+                   use_sliding_window=bool(sliding), sliding_window=window if sliding else None,
+                   layer_types=types)
+    if kind in ("llama", "qwen3", "smollm3"):  # their configs' own fields
+        out["attention_bias"] = False
+    if kind in ("llama", "smollm3"):
+        out["mlp_bias"] = False
     if bos is not None:
         out["bos_token_id"] = bos
     imported_eos = out.get("eos_token_id")

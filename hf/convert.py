@@ -106,7 +106,7 @@ def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out:
 
     from configs.loading import load, set_field
     from data.tokenizer import fingerprint, load as load_tokenizer
-    from model import rope
+    from model import pattern, rope
     fields = hf_config.model_fields(cfg)
     config = load(config_path)
     scaling = fields.pop("rope_scaling")
@@ -120,11 +120,22 @@ def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out:
     problem = rope.check(rope.from_config(config.model))  # the RoPE the run will have
     if problem:
         raise ConversionError(f"{where or source}: model.{problem}")
+    problem = pattern.check(config.model)  # the layers' kinds, after the user's word too
+    if problem:
+        raise ConversionError(f"{where or source}: {problem}")
     tokenizer = load_tokenizer(str(side / "tokenizer.json"), config.model.vocab_size)
-    params = weights.params_from_hf(tensors(), config.model)
+    arch = (cfg.get("architectures") or ["?"])[0]
+    # a multimodal checkpoint: its language model's tensors, what is left out named in a line
+    found, left_out = weights.language_model(tensors(), arch)
+    params = weights.params_from_hf(found, config.model)
+    if left_out:
+        cap = (cfg.get("text_config") or {}).get("final_logit_softcapping")
+        log(left_out + (f"; its text_config's final_logit_softcapping={cap} is left out too, as "
+                        f"{arch} never applies it" if cap else ""))
     config.data.tokenizer = str(out / "tokenizer.json")
-    if not any(o.startswith("data.seq_len=") for o in overrides) and cfg.get("max_position_embeddings"):
-        config.data.seq_len = int(cfg["max_position_embeddings"])  # the context it was trained at
+    max_pos = hf_config.read(cfg).get("max_position_embeddings")
+    if not any(o.startswith("data.seq_len=") for o in overrides) and max_pos:
+        config.data.seq_len = int(max_pos)  # the context it was trained at
     config.name = f"{config.name}-{name}"
 
     out.mkdir(parents=True, exist_ok=True)
@@ -145,7 +156,14 @@ def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out:
         f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
         + (", tied embeddings" if m.tie_embeddings else "")
         + (", q/k/v biases" if m.get("qkv_bias", False) else "")
-        + (f", sliding window {m.sliding_window}" if m.get("sliding_window", 0) else "")
+        + (", q/k norms" if m.get("qk_norm", False) else "")
+        + (", Gemma's block (1 + w norms, sandwich norms, scaled embeddings)"
+           if m.get("sandwich_norms", False) else "")
+        + (f", final logit soft-cap {m.final_logit_softcap:g}"
+           if m.get("final_logit_softcap", 0.0) else "")
+        + (f", layers {pattern.describe(m)}" if m.get("layer_types", "") else
+           f", sliding window {m.sliding_window}" if m.get("sliding_window", 0) else "")
+        + (f", local rope_theta {m.local_rope_theta:g}" if m.get("local_rope_theta", 0.0) else "")
         + f" -> {out}")
     return out
 
@@ -184,8 +202,9 @@ def _hf_side_dir(run_dir: pathlib.Path) -> pathlib.Path | None:
 def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "auto",
               step: int | None = None, max_shard_gb: float = 5.0,
               log: Callable[[str], None] = print) -> pathlib.Path:
-    """Writes an HF LlamaForCausalLM directory at ``out`` from a run's checkpoint: a
-    Qwen2ForCausalLM with q/k/v biases, a MistralForCausalLM with a sliding window."""
+    """Writes an HF directory at ``out`` from a run's checkpoint, of the architecture its model
+    fields need (hf/config.py ``architecture``: LLaMA, Mistral, Qwen2, Qwen3, Gemma 3 or
+    SmolLM3; a combination none of them has is one line, before anything is read)."""
     import jax
     import ml_dtypes
 
@@ -197,6 +216,7 @@ def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str =
     out = pathlib.Path(out).expanduser().absolute()
     _fresh(out, "--out")
     run = open_run(run_dir, log=log)
+    kind = hf_config.architecture(run.config.model)
     side = _hf_side_dir(run.directory)
     base = _read_json(side / "config.json") if side else None
     if dtype == "auto":
@@ -220,7 +240,7 @@ def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str =
         shutil.copyfile(side / "generation_config.json", out / "generation_config.json")
     write_tokenizer(run, out, config["max_position_embeddings"])
     n = sum(int(np.prod(a.shape)) for a in tensors.values())
-    log(f"exported step {got.step} of {run.directory}: {len(tensors)} tensors, {n / 1e6:.1f}M "
-        f"parameters in {dtype}, rope_theta {m.rope_theta:g}, rope scaling "
-        f"{m.rope_scaling.type} -> {out}")
+    log(f"exported step {got.step} of {run.directory} as {hf_config.CONVERTS[kind]}: "
+        f"{len(tensors)} tensors, {n / 1e6:.1f}M parameters in {dtype}, rope_theta "
+        f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type} -> {out}")
     return out

@@ -1,12 +1,19 @@
-"""Hugging Face LLaMA / Mistral / Qwen2 tensor names and shapes to this model's parameter tree,
-and back (Mistral's names are LLaMA's).
+"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 tensor names and shapes to
+this model's parameter tree, and back (Mistral's and SmolLM3's names are LLaMA's).
 
 HF stores each projection as ``[out, in]`` per layer; here the layers are stacked on a leading
 axis (lax.scan) and projections are ``[in, ...out]`` with heads split out:
 ``q_proj [H*hd, D] -> wq [L, D, H, hd]``, ``o_proj [D, H*hd] -> wo [L, H, hd, D]``. Both
 spellings rotate the two halves of each head (``rotate_half``), so no row permutation is needed.
 Qwen2's q/k/v biases (``model.qkv_bias``) split their heads out the same way:
-``q_proj.bias [H*hd] -> bq [L, H, hd]``.
+``q_proj.bias [H*hd] -> bq [L, H, hd]``. Qwen3's and Gemma 3's q/k norms
+(``self_attn.q_norm.weight [hd]``) are ``attn.q_norm.scale [L, hd]``. Gemma 3's four norms a
+layer (``model.sandwich_norms``) are input_layernorm -> attn_norm, post_attention_layernorm ->
+attn_post_norm, pre_feedforward_layernorm -> mlp_norm, post_feedforward_layernorm ->
+mlp_post_norm (in LLaMA post_attention_layernorm is the MLP's pre-norm, mlp_norm); its norms
+store w of the 1 + w they scale by, as ``model.norm_unit_offset`` does here: copied as they are.
+A multimodal checkpoint (Gemma3ForConditionalGeneration) is read through ``language_model``: its
+language model's tensors under the decoder's names, the rest left out and named.
 """
 from __future__ import annotations
 
@@ -16,16 +23,33 @@ from errors import ConversionError
 
 LAYER = "model.layers.{i}."
 # (our block path, HF name within a layer, kind): kind says how the matrix reshapes.
-BLOCK = (
+ATTENTION = (
     (("attn", "wq"), "self_attn.q_proj.weight", "in_heads"),
     (("attn", "wk"), "self_attn.k_proj.weight", "in_kv_heads"),
     (("attn", "wv"), "self_attn.v_proj.weight", "in_kv_heads"),
     (("attn", "wo"), "self_attn.o_proj.weight", "out_heads"),
+)
+MLP = (
     (("mlp", "w_gate"), "mlp.gate_proj.weight", "t"),
     (("mlp", "w_up"), "mlp.up_proj.weight", "t"),
     (("mlp", "w_down"), "mlp.down_proj.weight", "t"),
+)
+# A pre-norm block's two norms (LLaMA's names) ...
+NORMS = (
     (("attn_norm", "scale"), "input_layernorm.weight", "vector"),
     (("mlp_norm", "scale"), "post_attention_layernorm.weight", "vector"),
+)
+# ... and model.sandwich_norms' four (Gemma's names: post_attention_layernorm is another norm).
+SANDWICH_NORMS = (
+    (("attn_norm", "scale"), "input_layernorm.weight", "vector"),
+    (("attn_post_norm", "scale"), "post_attention_layernorm.weight", "vector"),
+    (("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", "vector"),
+    (("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", "vector"),
+)
+# model.qk_norm (Qwen3, Gemma 3): an RMSNorm over each head's dims, one weight for all heads.
+QK_NORMS = (
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", "head_vector"),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", "head_vector"),
 )
 # The same for model.qkv_bias (Qwen2): biases on q, k and v, none on o.
 BIASES = (
@@ -35,6 +59,15 @@ BIASES = (
 )
 # Buffers some checkpoints carry that hold no parameter (RoPE tables are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Where a multimodal checkpoint keeps its language model: (prefix of the decoder's "model."
+# tensors, name of its head), as transformers 5 saves it and as released checkpoints
+# (transformers 4.50-4.51) have it.
+LANGUAGE_MODEL = (("model.language_model.", "lm_head.weight"),
+                  ("language_model.model.", "language_model.lm_head.weight"))
+# What the rest of a multimodal checkpoint is, by the prefix of its names.
+OTHER_PARTS = {"vision_tower": "the vision tower", "multi_modal_projector": "the image projector",
+               "audio_tower": "the audio tower", "embed_vision": "the vision embedder",
+               "embed_audio": "the audio embedder"}
 
 
 def _head_dim(m) -> int:
@@ -43,7 +76,9 @@ def _head_dim(m) -> int:
 
 def _block(m):
     """(our path, HF name, kind) of every per-layer tensor of model config ``m``."""
-    return BLOCK + (BIASES if m.get("qkv_bias", False) else ())
+    return (ATTENTION + MLP + (SANDWICH_NORMS if m.get("sandwich_norms", False) else NORMS)
+            + (QK_NORMS if m.get("qk_norm", False) else ())
+            + (BIASES if m.get("qkv_bias", False) else ()))
 
 
 def _to_ours(w, kind: str, m):
@@ -73,18 +108,13 @@ def _to_hf(w, kind: str):
 
 def _expected(m) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of model config ``m`` with its shape."""
-    hd, d = _head_dim(m), m.d_model
-    per_layer = {"self_attn.q_proj.weight": (m.num_heads * hd, d),
-                 "self_attn.k_proj.weight": (m.num_kv_heads * hd, d),
-                 "self_attn.v_proj.weight": (m.num_kv_heads * hd, d),
-                 "self_attn.o_proj.weight": (d, m.num_heads * hd),
-                 "mlp.gate_proj.weight": (m.ffn_dim, d), "mlp.up_proj.weight": (m.ffn_dim, d),
-                 "mlp.down_proj.weight": (d, m.ffn_dim),
-                 "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
-    if m.get("qkv_bias", False):
-        per_layer.update({"self_attn.q_proj.bias": (m.num_heads * hd,),
-                          "self_attn.k_proj.bias": (m.num_kv_heads * hd,),
-                          "self_attn.v_proj.bias": (m.num_kv_heads * hd,)})
+    hd, d, f = _head_dim(m), m.d_model, m.ffn_dim
+    shapes = {"in_heads": (m.num_heads * hd, d), "in_kv_heads": (m.num_kv_heads * hd, d),
+              "out_heads": (d, m.num_heads * hd), "vector": (d,), "head_vector": (hd,),
+              "bias_heads": (m.num_heads * hd,), "bias_kv_heads": (m.num_kv_heads * hd,)}
+    mlp = {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+           "mlp.down_proj.weight": (d, f)}
+    per_layer = {name: mlp[name] if kind == "t" else shapes[kind] for _, name, kind in _block(m)}
     out = {"model.embed_tokens.weight": (m.vocab_size, d), "model.norm.weight": (d,)}
     if not m.get("tie_embeddings", False):
         out["lm_head.weight"] = (m.vocab_size, d)
@@ -111,6 +141,65 @@ def check_names(tensors, m):
                               f"({len(extra)} in all): biases or another architecture")
 
 
+class _Renamed:
+    """A checkpoint's tensors under other names (ours -> theirs), as hf/safetensors.Tensors
+    serves them."""
+
+    def __init__(self, tensors, names: dict[str, str]):
+        self.tensors, self.map = tensors, names
+
+    def names(self) -> list[str]:
+        return list(self.map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.map
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.tensors[self.map[name]]
+
+
+def language_model(tensors, architecture: str = "the multimodal model"):
+    """(tensors, None) for a decoder's checkpoint; for a multimodal one (its language model
+    under ``model.language_model.`` or ``language_model.model.``) (the language model's tensors
+    under the decoder's names, one line naming what is left out: the vision tower and projector
+    by the prefix of their names, with their tensor counts)."""
+    names = tensors.names()
+    if "model.embed_tokens.weight" in tensors:
+        return tensors, None
+    for prefix, head in LANGUAGE_MODEL:
+        if prefix + "embed_tokens.weight" in tensors:
+            break
+    else:
+        return tensors, None  # check_names says what is missing
+    ours, rest = {}, {}
+    for name in names:
+        if name.startswith(prefix):
+            ours["model." + name[len(prefix):]] = name
+        elif name == head:
+            ours["lm_head.weight"] = name
+        else:
+            parts = name.split(".")
+            key = ".".join(parts[:2] if parts[0] == "model" and len(parts) > 2 else parts[:1])
+            rest[key] = rest.get(key, 0) + 1
+    said = [f"{key}.* ({n} tensors, {OTHER_PARTS.get(key.split('.')[-1], 'not the decoder')})"
+            for key, n in rest.items()]
+    line = (f"{architecture}: the language model alone is imported (it exports as a decoder); "
+            f"left out: {', '.join(said) if said else 'nothing else'}")
+    return _Renamed(tensors, ours), line
+
+
+def _get(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
 def params_from_hf(tensors, m, dtype=None) -> dict:
     """Our parameter tree (numpy, in ``dtype`` or the checkpoint's own) from HF tensors."""
     check_names(tensors, m)
@@ -119,7 +208,7 @@ def params_from_hf(tensors, m, dtype=None) -> dict:
     for path, hf_name, kind in _block(m):
         layers = [_to_ours(tensors[LAYER.format(i=i) + hf_name], kind, m)
                   for i in range(m.num_layers)]
-        blocks.setdefault(path[0], {})[path[1]] = cast(np.stack(layers))
+        _set(blocks, path, cast(np.stack(layers)))
     params = {"blocks": blocks, "embed": cast(np.asarray(tensors["model.embed_tokens.weight"])),
               "final_norm": {"scale": cast(np.asarray(tensors["model.norm.weight"]))}}
     if not m.get("tie_embeddings", False):
@@ -132,7 +221,7 @@ def hf_from_params(params: dict, m, dtype) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": params["embed"]}
     for i in range(m.num_layers):
         for path, hf_name, kind in _block(m):
-            out[LAYER.format(i=i) + hf_name] = _to_hf(params["blocks"][path[0]][path[1]][i], kind)
+            out[LAYER.format(i=i) + hf_name] = _to_hf(_get(params["blocks"], path)[i], kind)
     out["model.norm.weight"] = params["final_norm"]["scale"]
     if not m.get("tie_embeddings", False):
         out["lm_head.weight"] = params["head"].T

@@ -61,7 +61,8 @@ FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, 4, 16),
 def hf_model(rng, directory: pathlib.Path, *, scaling="none", tied=False, kv_heads=2,
              dtype=torch.float32, shard=None, family="llama", **config):
     """Saves a random LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM (weights and
-    biases far from init, so every tensor matters)."""
+    biases far from init, so every tensor matters). The end-of-text token's head row is 0, so
+    that greedy decoding never stops at its first token (it did about once in 300 seeds)."""
     directory.mkdir(parents=True)
     tok = tokenizer_files(rng, directory)
     max_pos = ORIGINAL * 4 if scaling in ("yarn", "llama3") else ORIGINAL
@@ -80,6 +81,7 @@ def hf_model(rng, directory: pathlib.Path, *, scaling="none", tied=False, kv_hea
                 p.normal_(0, 0.5)
             else:
                 p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        model.get_output_embeddings().weight[tok.token_to_id(EOS)] = 0
     model = model.to(dtype)
     model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
     return model.float().eval()
@@ -461,9 +463,9 @@ def test_qwen2_greedy_generation_gives_transformers_tokens(qwen2, rng, capsys):
 def test_qwen2_sliding_window_fields_read_as_transformers_reads_them(qwen2):
     """Released Qwen2 configs carry sliding_window and max_window_layers with
     use_sliding_window false (and no layer_types): nothing slides, the import is the same.
-    With it true, the window is the model's when transformers slides every layer
-    (max_window_layers 0), none when it slides none; some but not all is one line. An export
-    with a window is a Qwen2 config in which transformers slides every layer."""
+    With it true, the window is the model's on the layers transformers slides: every layer
+    (max_window_layers 0), none, or the upper ones (model.layer_types). An export with a
+    window is a Qwen2 config in which transformers slides every layer."""
     _, run, _ = qwen2
     cfg = json.loads((run.directory / "hf" / "config.json").read_text())
     want = hf_config.model_fields(cfg)
@@ -477,25 +479,18 @@ def test_qwen2_sliding_window_fields_read_as_transformers_reads_them(qwen2):
         case["use_sliding_window"] = True
         layer_types = Qwen2Config(**case).layer_types
         assert layer_types.count("sliding_attention") == {32: 2, None: 1, 0: 0}[window]
-        if window is not None:
-            assert hf_config.model_fields(case) == {**want, "sliding_window": window}
-            # transformers 5 writes the list out: read the same from it
-            listed = {**case, "layer_types": layer_types, "max_window_layers": 99}
-            assert hf_config.model_fields(listed) == {**want, "sliding_window": window}
-            continue
-        with pytest.raises(ConversionError) as e:
-            hf_config.model_fields(case)
-        assert str(e.value) == (
-            "config.json: sliding_window=32 on layer 1, full attention on layer 0; this model "
-            "has one window for every layer (Qwen2 converts with max_window_layers 0, every "
-            "layer sliding, or >= num_hidden_layers, none)")
-        with pytest.raises(ConversionError, match=r"^config.json: sliding_window=32 on layer 1, "
-                                                  r"full attention on layer 0; [^(]*$"):
-            hf_config.model_fields({**case, "layer_types": layer_types})
-        with pytest.raises(ConversionError, match=r"^config.json: layer_types has "
-                                                  r"'sliding_attention' layers but no "
-                                                  r"sliding_window applies"):
-            hf_config.model_fields({**released, "layer_types": layer_types})
+        # the upper layer alone slides: per-layer kinds (model.layer_types)
+        got = {**want, "sliding_window": window} if window is not None else \
+            {**want, "sliding_window": 32, "layer_types": "full,sliding"}
+        assert hf_config.model_fields(case) == got
+        # transformers 5 writes the list out: read the same from it
+        listed = {**case, "layer_types": layer_types, "max_window_layers": 99}
+        assert hf_config.model_fields(listed) == got
+        if window is None:
+            with pytest.raises(ConversionError, match=r"^config.json: layer_types has "
+                                                      r"'sliding_attention' layers but no "
+                                                      r"sliding_window applies"):
+                hf_config.model_fields({**released, "layer_types": layer_types})
     m = with_window(run, 24).config.model
     out = hf_config.hf_config(m, seq_len=128, dtype="float32", base=cfg, bos=None, eos=None)
     assert (out["model_type"], out["use_sliding_window"], out["sliding_window"]) == \
@@ -624,9 +619,7 @@ REFUSALS = {
                "hidden_act": "gelu_pytorch_tanh"}, ["Gemma (model_type='gemma')", "GeGLU"]),
     "gemma2": ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
                 "attn_logit_softcapping": 50.0, "sliding_window": 4096},
-               ["Gemma 2 (", "attention logit soft-capping", "local sliding-window / global"]),
-    "gemma3": ({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
-               ["Gemma 3 (", "local sliding-window / global layers with two RoPE bases"]),
+               ["Gemma 2 (", "attention logit soft-capping"]),
     "mixtral": ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
                  "num_local_experts": 8}, ["Mixtral (", "mixture-of-experts MLP (num_local_experts)"]),
     "qwen2_moe": ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
@@ -638,8 +631,6 @@ REFUSALS = {
     "any softcap": ({"model_type": "custom", "architectures": ["CustomForCausalLM"],
                      "final_logit_softcapping": 30.0},
                     ["final_logit_softcapping=30.0: logit soft-capping does not convert"]),
-    "qwen3": ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
-              ["Qwen3 (", "RMSNorm on q and k"]),
     "phi3": ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]},
              ["Phi-3 (", "fused qkv_proj and gate_up_proj"]),
     "falcon": ({"model_type": "falcon", "architectures": ["FalconForCausalLM"]},
@@ -651,14 +642,8 @@ REFUSALS = {
     "ministral layers": ({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
                           "sliding_window": 4096, "max_position_embeddings": 32768,
                           "layer_types": ["sliding_attention", "full_attention"]},
-                         ["sliding_window=4096 on layer 0, full attention on layer 1; this "
-                          "model has one window for every layer"]),
-    "qwen2 upper layers slide": ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-                                  "use_sliding_window": True, "sliding_window": 16,
-                                  "max_window_layers": 1},
-                                 ["sliding_window=16 on layer 1, full attention on layer 0; "
-                                  "this model has one window for every layer (Qwen2 converts "
-                                  "with max_window_layers 0"]),
+                         ["model_type 'mistral' with layer_types mixing", "MistralForCausalLM "
+                          "slides every layer by sliding_window=4096 and ignores layer_types"]),
     "llama o bias": ({"attention_bias": True},
                      ["attention_bias=true (biases on q, k, v and o); only Qwen2's q/k/v biases"]),
 }
@@ -677,4 +662,4 @@ def test_each_known_architecture_that_does_not_convert_is_one_line_naming_it(nam
     for fragment in fragments:
         assert fragment in line, line
     if changes.get("model_type", "llama") not in ("llama", "mistral", "qwen2"):
-        assert line.endswith("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"), line
+        assert line.endswith(", ".join(hf_config.ARCHITECTURES)), line

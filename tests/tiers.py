@@ -98,6 +98,8 @@ SLOW = {
         "a remat scan's memory, compiled",
     "test_kernels.py::test_a_new_kernel_is_one_module_and_one_registry_entry": "a ring compiled",
     "test_hf_convert.py::test_mistral_greedy_generation_gives_transformers_tokens": "generation",
+    "test_hf_families.py::test_greedy_generation_gives_transformers_tokens":
+        "generation, a program pair per family",
     "test_eval_passkey.py::test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_not":
         "600+ training steps",
     "test_state.py": "train steps on several meshes, microbatches, 12 bf16 steps",
@@ -185,6 +187,6 @@ NEXT = {
 # The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py
 # on a full run): tests/conftest.py collects them first, so that none is handed out last.
 FIRST = ["test_readme_commands.py", "test_kernels.py", "test_get_smollm2.py", "test_multiprocess.py",
-         "test_hf_convert.py",
+         "test_hf_convert.py", "test_hf_families.py",
          "test_state.py", "test_harness.py", "test_plan.py", "test_kv_cache.py", "test_resume.py",
          "test_attention.py", "test_pattern.py"]
