@@ -135,35 +135,50 @@ class Decoder(nnx.Module):
     def over_layers(self, layer, x, xs):
         """``layer(x, xs_i, kind_i) -> (x, y_i)`` over the layers, in order: ``xs`` has a
         leading layer axis; returns (x, the y_i stacked over layers). A scan over repeats of
-        the pattern's period (one layer a step when the layers are alike), then the remainder
-        (the pattern's first layers) unrolled after it."""
+        the pattern's period, then the remainder (the pattern's first layers); inside each,
+        a run of alike layers is a scan of its own (Gemma 3's period: a scan of 5 sliding
+        layers, then the full one), so a step holds one layer's weights at a time and compiles
+        one layer per kind. Layers all alike: one scan, one layer a step."""
         kinds, p = self.kinds, self.period
         n = len(kinds)
-        if not self.scan_layers:
-            p = n  # unrolled: one "step" of every layer
-        if p == 1:
-            return jax.lax.scan(lambda x, xs_i: layer(x, xs_i, kinds[0]), x, xs)
-        repeats, ys = n // p, []
-        take = lambda i: jax.tree.map(lambda a: a[i], xs)
-
-        def period(x, xs_g):
+        # a slice of the stacked layers (all of them as they are: no copy to slice)
+        slice_ = lambda tree, a, b: tree if (a, b) == (0, n) else jax.tree.map(
+            lambda t: t[a:b], tree)
+        if not self.scan_layers:  # unrolled, layer by layer (debugging)
             out = []
-            for j in range(p):
-                x, y = layer(x, jax.tree.map(lambda a: a[j], xs_g), kinds[j])
-                out.append(y)
-            return x, jax.tree.map(lambda *a: jnp.stack(a), *out)
+            for i in range(n):
+                x, y = layer(x, jax.tree.map(lambda t, i=i: t[i], xs), kinds[i])
+                out.append(jax.tree.map(lambda t: t[None], y))
+            return x, jax.tree.map(lambda *t: jnp.concatenate(t), *out)
 
-        if repeats == 1:
-            x, y = period(x, jax.tree.map(lambda a: a[:p], xs))
-            ys.append(y)
+        def segment(x, xs_seg, seg_kinds):
+            """Consecutive layers ``seg_kinds`` (xs_seg's leading axis), runs of alike scanned."""
+            out, i = [], 0
+            while i < len(seg_kinds):
+                j = i
+                while j < len(seg_kinds) and seg_kinds[j] == seg_kinds[i]:
+                    j += 1
+                kind, run = seg_kinds[i], slice_(xs_seg, i, j)
+                if j - i > 1:
+                    x, y = jax.lax.scan(lambda x, xs_k, kind=kind: layer(x, xs_k, kind), x, run)
+                else:
+                    x, y = layer(x, jax.tree.map(lambda t: t[0], run), kind)
+                    y = jax.tree.map(lambda t: t[None], y)
+                out.append(y)
+                i = j
+            return x, out[0] if len(out) == 1 else jax.tree.map(lambda *t: jnp.concatenate(t), *out)
+
+        repeats, rest = n // p, n % p
+        if repeats == 1 or p == 1:
+            x, ys = segment(x, slice_(xs, 0, repeats * p), kinds[:repeats * p])
         else:
-            grouped = jax.tree.map(lambda a: a[:repeats * p].reshape(repeats, p, *a.shape[1:]), xs)
-            x, y = jax.lax.scan(period, x, grouped)
-            ys.append(jax.tree.map(lambda a: a.reshape(repeats * p, *a.shape[2:]), y))
-        for i in range(repeats * p, n):
-            x, y = layer(x, take(i), kinds[i - repeats * p])
-            ys.append(jax.tree.map(lambda a: a[None], y))
-        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
+            grouped = jax.tree.map(lambda t: t[:repeats * p].reshape(repeats, p, *t.shape[1:]), xs)
+            x, ys = jax.lax.scan(lambda x, xs_g: segment(x, xs_g, kinds[:p]), x, grouped)
+            ys = jax.tree.map(lambda t: t.reshape(repeats * p, *t.shape[2:]), ys)
+        if not rest:
+            return x, ys
+        x, tail = segment(x, slice_(xs, repeats * p, n), kinds[:rest])
+        return x, jax.tree.map(lambda *t: jnp.concatenate(t), ys, tail)
 
     def next_logits(self, x_BD):
         """fp32 next-token logits [B, V] of last-block outputs [B, D] (generation)."""

@@ -232,19 +232,24 @@ def test_local_layers_stop_the_contiguous_ring_early(rng):
 
 
 def test_the_stack_scans_one_period_a_step(rng):
-    """5 layers of period 2: one scan of 2 steps (the remainder unrolled after it); a model
-    whose layers are alike scans one layer a step, as before the pattern existed."""
+    """5 layers of period 2: one scan of 2 steps (the remainder after it); Gemma-3-1B's 26
+    layers: 4 steps of (a scan of 5 sliding layers, then the full one), then a scan of the 2
+    left; a model whose layers are alike scans one layer a step, as before the pattern."""
     def scans(c):
+        """[(length, [the scans' lengths inside its body])] of the forward's top-level scans."""
         model = random_model(rng, c)
         graphdef, state = nnx.split(model)
         tok, pos, seg = batch(rng, 1)
         jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tok, pos, seg))(state)
-        return [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        inner = lambda e: [f.params["length"] for f in e.params["jaxpr"].jaxpr.eqns
+                           if f.primitive.name == "scan"]
+        return [(e.params["length"], inner(e)) for e in jaxpr.jaxpr.eqns
+                if e.primitive.name == "scan"]
 
-    assert scans(family_config()) == [2]
-    assert scans(family_config(layer_types="")) == [5]
+    assert scans(family_config()) == [(2, [])]
+    assert scans(family_config(layer_types="")) == [(5, [])]
     assert scans(family_config(num_layers=26, layer_types=pattern.repeat(
-        "sliding," * 5 + "full", 26))) == [4]
+        "sliding," * 5 + "full", 26))) == [(4, [5]), (2, [])]
 
 
 def test_explicit_full_layers_equal_the_default_to_the_bit(rng):
