@@ -5,7 +5,8 @@ Run:  python train.py --config configs/gemma3_tiny.py --workdir runs/gemma3_tiny
 Shows: the startup line's layer pattern ("5 sliding : full (W=128)"), held-out loss falling as
 the tiny config's does. The layout comparison on it (docs/layouts.md, "A local/global model"):
     python scripts/compare_layouts.py --config configs/gemma3_tiny.py --processes 2 \
-        --seq-lens 8192,16384 --out runs/compare_gemma3
+        --seq-lens 8192,32768 --steps 5 --warmup 2 --out runs/compare_gemma3
+(12 min on 2 cores: zigzag 1.16x and 1.28x over contiguous, striped 1.04x and 1.23x)
 """
 from configs import tiny
 from model.pattern import repeat
