@@ -41,8 +41,10 @@ OVERRIDES = {
 
 def env() -> dict:
     e = dict(os.environ)
-    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-             PYTHONUNBUFFERED="1")  # the compilation cache: conftest's, in os.environ
+    # conftest's XLA_FLAGS: 8 devices and the tests' code generation, so that a run here and
+    # the same run through train.py's entry in the test's process are the same programs (bit
+    # for bit); the compilation cache: conftest's, in os.environ too
+    e.update(XLA_FLAGS=os.environ["XLA_FLAGS"], JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return e
 
 
