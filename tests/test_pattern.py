@@ -151,7 +151,7 @@ def _logits_and_grads(model, tok, pos, seg, cot):
     """The logits, and the gradients of their sum weighted by ``cot``."""
     graphdef, state = nnx.split(model)
 
-    @functools.partial(jax.jit)
+    @jax.jit
     def run(state):
         logits_of = lambda s: nnx.merge(graphdef, s)(tok, pos, seg)
         out, vjp = jax.vjp(logits_of, state)
