@@ -282,7 +282,8 @@ def test_train_from_an_import_then_export_to_transformers(rng, tmp_path):
     from the import it started from), and transformers' logits from the export are ours. The
     training is train.py's entry after its flags (``--config configs/from_run.py:RUN_DIR
     --config.a.b=v ...``), in this process: the path is what is checked, not a process start
-    (train.py from_run.py commands run as processes in tests/test_readme_commands.py)."""
+    (a train.py process given ``FILE.py:RUN_DIR``: configs/extend.py's printed command, run in
+    tests/test_readme_commands.py)."""
     import tests.trained_run as tr
     from configs.loading import load
     hf_model(rng, tmp_path / "hf", kv_heads=2)
