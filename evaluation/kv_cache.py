@@ -193,9 +193,11 @@ class Generator:
                     x_B1D, pos_B1, None, kind=kind,
                     attention=lambda q, k, v: attend(q, k, v, kc_BKCD, vc_BKCD, cache.pos, pos_B))
 
-            # the model's own walk over its layers' pattern (one scan step per period)
+            # the model's own walk over its layers' pattern (one scan step per period), each
+            # layer's weights and cache read in place by its index
             x_B1D, (k_LB1KD, v_LB1KD) = model.over_layers(
-                layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v))
+                layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v),
+                by_index=True)
             new = Cache(write(cache.k, k_LB1KD.swapaxes(2, 3), slot, owner),
                         write(cache.v, v_LB1KD.swapaxes(2, 3), slot, owner),
                         write_pos(cache.pos, pos_B, slot, owner))

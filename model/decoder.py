@@ -132,15 +132,22 @@ class Decoder(nnx.Module):
         x_BLD, kv = self.over_layers(layer, x_BLD, stacked)
         return (x_BLD, kv) if keep_kv else x_BLD
 
-    def over_layers(self, layer, x, xs):
+    def over_layers(self, layer, x, xs, by_index: bool = False):
         """``layer(x, xs_i, kind_i) -> (x, y_i)`` over the layers, in order: ``xs`` has a
         leading layer axis; returns (x, the y_i stacked over layers). A scan over repeats of
         the pattern's period, then the remainder (the pattern's first layers); inside each,
         a run of alike layers is a scan of its own (Gemma 3's period: a scan of 5 sliding
         layers, then the full one), so a step holds one layer's weights at a time and compiles
-        one layer per kind. Layers all alike: one scan, one layer a step."""
+        one layer per kind. Layers all alike: one scan, one layer a step.
+
+        ``by_index`` (a decode step): one scan over every layer, each step switching to its
+        layer's kind, so that the whole stack is the scan's input and each layer's slice is
+        read in place; the period's scan would take copies of the stack's periods and runs
+        (of the KV cache, every token)."""
         kinds, p = self.kinds, self.period
         n = len(kinds)
+        if by_index and p > 1 and self.scan_layers:
+            return self._over_layers_by_index(layer, x, xs)
         # a slice of the stacked layers (all of them as they are: no copy to slice)
         slice_ = lambda tree, a, b: tree if (a, b) == (0, n) else jax.tree.map(
             lambda t: t[a:b], tree)
@@ -179,6 +186,15 @@ class Decoder(nnx.Module):
             return x, ys
         x, tail = segment(x, slice_(xs, repeats * p, n), kinds[:rest])
         return x, jax.tree.map(lambda *t: jnp.concatenate(t), ys, tail)
+
+    def _over_layers_by_index(self, layer, x, xs):
+        """``over_layers`` as one scan over every layer with the whole stack as its input
+        (sliced in place, one layer a step), each step switching to its layer's kind: one
+        branch compiled per kind."""
+        distinct = list(dict.fromkeys(self.kinds))
+        ids = jnp.asarray([distinct.index(k) for k in self.kinds], jnp.int32)
+        branches = [lambda x, xs_i, kind=kind: layer(x, xs_i, kind) for kind in distinct]
+        return jax.lax.scan(lambda x, a: jax.lax.switch(a[0], branches, x, a[1]), x, (ids, xs))
 
     def next_logits(self, x_BD):
         """fp32 next-token logits [B, V] of last-block outputs [B, D] (generation)."""

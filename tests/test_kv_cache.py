@@ -240,13 +240,19 @@ def cache_copies(c, mesh, prompt_slots=64, gen_slots=11):
     return big, layer
 
 
-@pytest.mark.parametrize("layout,sequence", [("striped", 1), ("striped", 4), ("contiguous", 4)])
-def test_a_decode_step_copies_no_more_than_a_layer_of_the_cache(layout, sequence):
+@pytest.mark.parametrize("layout,sequence,layer_types", [
+    ("striped", 1, ""), ("striped", 4, ""), ("contiguous", 4, ""),
+    # two repeats of (a run of 2 sliding layers, a full one) and a remainder of one
+    ("striped", 1, "sliding,sliding,full,sliding,sliding,full,sliding")])
+def test_a_decode_step_copies_no_more_than_a_layer_of_the_cache(layout, sequence, layer_types):
     """A token reads each layer's cache once and writes one slot: the compiled step holds no
     copy of the stacked cache (nor of anything larger than one layer of it), on one device and
-    with the cache split over 4 sequence devices."""
-    c = config(layout, mesh=dict(data=1, fsdp=1, sequence=sequence, tensor=1))
-    c.model.num_layers = 4
+    with the cache split over 4 sequence devices, and with a layer pattern whose period, runs
+    and remainder are not whole slices of the stack."""
+    c = config(layout, mesh=dict(data=1, fsdp=1, sequence=sequence, tensor=1),
+               window=8 if layer_types else 0)
+    c.model.update(num_layers=len(layer_types.split(",")) if layer_types else 4,
+                   layer_types=layer_types)
     c.data.batch_size = 1
     big, layer = cache_copies(c, make_mesh(c.mesh, jax.devices()[:sequence]))
     assert big == [], f"copies larger than one layer of the cache ({layer} elements): {big}"
