@@ -586,6 +586,13 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
                    # Gemma3TextModel builds the sliding mask whatever the layers: a window
                    # always (unused when no layer slides)
                    sliding_window=window or int(base.get("sliding_window") or 4096))
+        # transformers before layer_types existed (4.50-4.52) reads every
+        # sliding_window_pattern-th layer as full and the rest as sliding: written too where
+        # the layers are that pattern
+        every = [p for p in range(1, len(types) + 1)
+                 if types == [FULL if (i + 1) % p == 0 else SLIDING for i in range(len(types))]]
+        if every:
+            out["sliding_window_pattern"] = every[0]
     else:
         out.update(rope_theta=theta, rope_scaling=scaling)
     if kind in ("qwen2", "qwen3"):

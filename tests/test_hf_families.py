@@ -374,6 +374,21 @@ def test_export_picks_the_architecture_the_fields_need(fields, kind):
     assert read["layer_types"] == want
 
 
+@pytest.mark.parametrize("layer_types,every", [
+    ("sliding,full,sliding,full", 2), ("sliding,sliding,sliding,full", 4),
+    ("full,sliding,sliding,full", None)])
+def test_gemma_export_writes_the_pattern_older_transformers_read(layer_types, every):
+    """Before layer_types (transformers 4.50-4.52) Gemma 3 read every sliding_window_pattern-th
+    layer as full: written where the layers are that pattern, left out where they are not."""
+    gemma = dict(qk_norm=True, norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True)
+    m = model_config(sliding_window=8, layer_types=layer_types, **gemma)
+    out = hf_config.hf_config(m, seq_len=64, dtype="float32", base=None, bos=None, eos=None)
+    assert out.get("sliding_window_pattern") == every
+    if every:  # what that spelling means is the list the export wrote
+        assert [t == "full_attention" for t in out["layer_types"]] == [
+            (i + 1) % every == 0 for i in range(4)]
+
+
 @pytest.mark.parametrize("fields,fragment", [
     (dict(sandwich_norms=True), "model.sandwich_norms, not model.qk_norm, not "
                                 "model.norm_unit_offset, not model.scale_embeddings: no Hugging "
