@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from errors import ConversionError
+from model.flops import head_dim
 
 LAYER = "model.layers.{i}."
 # (our block path, HF name within a layer, kind): kind says how the matrix reshapes.
@@ -70,10 +71,6 @@ OTHER_PARTS = {"vision_tower": "the vision tower", "multi_modal_projector": "the
                "embed_audio": "the audio embedder"}
 
 
-def _head_dim(m) -> int:
-    return m.head_dim or m.d_model // m.num_heads
-
-
 def _block(m):
     """(our path, HF name, kind) of every per-layer tensor of model config ``m``."""
     return (ATTENTION + MLP + (SANDWICH_NORMS if m.get("sandwich_norms", False) else NORMS)
@@ -82,7 +79,7 @@ def _block(m):
 
 
 def _to_ours(w, kind: str, m):
-    hd = _head_dim(m)
+    hd = head_dim(m)
     if kind == "in_heads":
         return w.T.reshape(m.d_model, m.num_heads, hd)
     if kind == "in_kv_heads":
@@ -108,7 +105,7 @@ def _to_hf(w, kind: str):
 
 def _expected(m) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of model config ``m`` with its shape."""
-    hd, d, f = _head_dim(m), m.d_model, m.ffn_dim
+    hd, d, f = head_dim(m), m.d_model, m.ffn_dim
     shapes = {"in_heads": (m.num_heads * hd, d), "in_kv_heads": (m.num_kv_heads * hd, d),
               "out_heads": (d, m.num_heads * hd), "vector": (d,), "head_vector": (hd,),
               "bias_heads": (m.num_heads * hd,), "bias_kv_heads": (m.num_kv_heads * hd,)}

@@ -160,19 +160,15 @@ class Decoder(nnx.Module):
 
         def segment(x, xs_seg, seg_kinds):
             """Consecutive layers ``seg_kinds`` (xs_seg's leading axis), runs of alike scanned."""
-            out, i = [], 0
-            while i < len(seg_kinds):
-                j = i
-                while j < len(seg_kinds) and seg_kinds[j] == seg_kinds[i]:
-                    j += 1
-                kind, run = seg_kinds[i], slice_(xs_seg, i, j)
-                if j - i > 1:
+            out = []
+            for kind, a, b in pattern.runs(seg_kinds):
+                run = slice_(xs_seg, a, b)
+                if b - a > 1:
                     x, y = jax.lax.scan(lambda x, xs_k, kind=kind: layer(x, xs_k, kind), x, run)
                 else:
                     x, y = layer(x, jax.tree.map(lambda t: t[0], run), kind)
                     y = jax.tree.map(lambda t: t[None], y)
                 out.append(y)
-                i = j
             return x, out[0] if len(out) == 1 else jax.tree.map(lambda *t: jnp.concatenate(t), *out)
 
         repeats, rest = n // p, n % p

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 
+from model import pattern  # imports no jax
+
 
 def head_dim(m) -> int:
     return m.head_dim or m.d_model // m.num_heads
@@ -15,7 +17,6 @@ def head_dim(m) -> int:
 def layer_windows(m) -> tuple[int, ...]:
     """Each layer's sliding window (0: full causal attention), as the decoder runs it
     (``model.pattern.kinds``: ``sliding`` layers take ``model.sliding_window``, ``full`` none)."""
-    from model import pattern
     return tuple(k.window for k in pattern.kinds(m))
 
 

@@ -166,10 +166,9 @@ class Attention(nnx.Module):
                              self.wo[...].astype(self.dtype))
         return out_BLD, (k_BLKD, v_BLKD)
 
-    def qkv(self, x_BLD, positions_BL, rope="model"):
-        """Queries, keys (both rotated to their positions) and values. ``rope``: a Rope, or
-        None for none (a NoPE layer); by default the model's."""
-        rope = self.rope if rope == "model" else rope
+    def qkv(self, x_BLD, positions_BL, rope: Rope | None):
+        """Queries, keys (both rotated to their positions by ``rope``; None: a NoPE layer)
+        and values."""
         q_BLHD = self._project(x_BLD, self.wq, self.bq)  # bias before the norm and RoPE
         k_BLKD = self._project(x_BLD, self.wk, self.bk)
         if self.q_norm is not None:

@@ -95,20 +95,22 @@ def repeat(unit: str, num_layers: int) -> str:
     return ",".join(parts[i % len(parts)] for i in range(num_layers))
 
 
-def describe(m) -> str:
-    """A short line for the startup log: ``5 sliding (W=512) : 1 full`` or ``full``."""
-    ks = names(m)
-    p = period(kinds(m))
-    unit = ks[:p]
-    runs, out = [], []
-    for k in unit:
-        if runs and runs[-1][0] == k:
-            runs[-1][1] += 1
+def runs(seq) -> list[tuple[object, int, int]]:
+    """``(item, start, stop)`` of each run of equal consecutive items of ``seq``:
+    ``runs("aab")`` = [("a", 0, 2), ("b", 2, 3)]."""
+    out = []
+    for i, item in enumerate(seq):
+        if out and out[-1][0] == item:
+            out[-1] = (item, out[-1][1], i + 1)
         else:
-            runs.append([k, 1])
-    for k, c in runs:
-        out.append(f"{c} {k}" if c > 1 else k)
-    text = " : ".join(out)
+            out.append((item, i, i + 1))
+    return out
+
+
+def describe(m) -> str:
+    """A short line for the startup log: ``5 sliding : full (W=512)``, or ``full``."""
+    unit = names(m)[:period(kinds(m))]
+    text = " : ".join(f"{b - a} {k}" if b - a > 1 else k for k, a, b in runs(unit))
     if any(k.startswith("sliding") for k in unit):
         text += f" (W={int(m.get('sliding_window', 0))})"
     return text

@@ -289,8 +289,10 @@ def test_a_bad_pattern_stops_in_one_line(fields, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_repeat_and_describe():
+def test_repeat_runs_and_describe():
     assert pattern.repeat("sliding,sliding,full", 4) == "sliding,sliding,full,sliding"
+    assert pattern.runs("aabcc") == [("a", 0, 2), ("b", 2, 3), ("c", 3, 5)]
+    assert pattern.runs(()) == []
     c = family_config(num_layers=12, layer_types=pattern.repeat("sliding," * 5 + "full", 12))
     assert pattern.describe(c.model) == "5 sliding : full (W=6)"
     assert pattern.period(pattern.kinds(c.model)) == 6
