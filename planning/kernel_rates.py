@@ -32,6 +32,10 @@ H200 = {
                    "striped": {32768: (357.9, 289.5)}},
     "cudnn_bare": {"diagonal": {4096: (211.9, 181.4), 8192: (360.1, 397.8),
                                 16384: (486.4, 531.8), 32768: (577.5, 535.2)}},
+    # The ring's own cudnn round (parallel/kernels/cudnn.py) per round type, 2026-12-04.
+    "cudnn": {"diagonal": {8192: (302.5, 439.1), 32768: (603.3, 532.9)},
+              "striped": {8192: (339.8, 366.5), 32768: (593.4, 524.3)},
+              "full": {8192: (450.1, 515.3), 32768: (628.8, 547.0)}},
 }
 BUILT_IN = {"h200": H200}
 # The xla kernel's tile (attention.block_q = block_kv) the built-in rows were measured with

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Checks and times the GPU path on one GPU host, in under 8 minutes (the stages' time limits
-# add up to 7 min 50 s; a stage that ignores its limit is killed 10 s later); installs nothing from the
+# Checks and times the GPU path on one GPU host, in about 8 minutes (the stages' time limits
+# add up to 8 min; a stage that ignores its limit is killed 10 s later); installs nothing from the
 # network. From the repository root on the GPU host:
 #
 #     bash scripts/device_check.sh [OUT_DIR]
+#
+# DEVICE_CHECK_STAGES=2b,3,4 runs only those stages (0 always runs), to redo what failed;
+# TRAIN_KERNELS=cudnn trains stage 3 with those kernels only.
 #
 # 1. the kernel tests with the real kernels, ring of one (one GPU): Pallas GPU (Triton), causal
 #    and not, and cudnn (bf16, with a window);
@@ -43,7 +46,7 @@ if [ "$REHEARSE" = 1 ]; then
     --config.data.max_docs=4"
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} STRIPEDJAX_PALLAS_INTERPRET=0
-  CHUNKS=8192,32768 HEADS=16 HEAD_DIM=128 BLOCK=0 REPEATS=5 TEST_LIMIT=90
+  CHUNKS=8192,32768 HEADS=16 HEAD_DIM=128 BLOCK=0 REPEATS=5 TEST_LIMIT=80
   XLA_CHUNK=32768 XLA_BLOCK=1024
   SEQ=32768 MODEL=""
 fi
@@ -51,7 +54,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+STAGES=${DEVICE_CHECK_STAGES:-1,2,2b,3,4}
+TRAIN_KERNELS=${TRAIN_KERNELS:-cudnn pallas_gpu}
 stage() { echo; echo "== $(date +%T) $*"; }
+wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 status=0
 
 stage "0. machine"
@@ -59,38 +65,45 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 $PY -c "import jax, flax, optax; d = jax.devices()[0]
 print('jax', jax.__version__, 'flax', flax.__version__, jax.devices(), getattr(d, 'compute_capability', ''))" || exit 1
 
-stage "1. kernel tests, real kernels (ring of one: one GPU): Pallas GPU and cudnn"
-ids=("tests/test_cudnn.py::test_cudnn_ring_matches_reference[1-(4, 1)-causal-bfloat16]"
-     "tests/test_cudnn.py::test_cudnn_ring_with_a_window[1-5-bfloat16]")
-for h in mha gqa4; do for m in causal packed; do for t in float32 bfloat16; do
-  ids+=("tests/test_kernels.py::test_fused_ring_matches_reference[pallas_gpu-1-$h-$m-$t]")
-done; done; done
-ids+=("tests/test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds[pallas_gpu]"
-      "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-mixed]")
-for g in 3 7; do ids+=("tests/test_kernels.py::test_any_group_with_default_tiles[pallas_gpu-$g]"); done
-STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout -k 10 $TEST_LIMIT $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
-  > "$OUT_DIR/kernel_tests.log" 2>&1 || status=1
-tail -25 "$OUT_DIR/kernel_tests.log"
-timeout -k 5 30 $PY -c "from parallel.kernels import cudnn; print('cudnn probe:', cudnn.probe())" 2>&1 | tail -1
+if wanted 1; then
+  stage "1. kernel tests, real kernels (ring of one: one GPU): Pallas GPU and cudnn"
+  ids=("tests/test_cudnn.py::test_cudnn_ring_matches_reference[1-(4, 1)-causal-bfloat16]"
+       "tests/test_cudnn.py::test_cudnn_ring_with_a_window[1-5-bfloat16]")
+  for h in mha gqa4; do for m in causal packed; do for t in float32 bfloat16; do
+    ids+=("tests/test_kernels.py::test_fused_ring_matches_reference[pallas_gpu-1-$h-$m-$t]")
+  done; done; done
+  ids+=("tests/test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds[pallas_gpu]"
+        "tests/test_kernels.py::test_non_causal_matches_reference[dense-pallas_gpu-mixed]")
+  for g in 3 7; do ids+=("tests/test_kernels.py::test_any_group_with_default_tiles[pallas_gpu-$g]"); done
+  STRIPEDJAX_FULL_KERNEL_MATRIX=1 timeout -k 10 $TEST_LIMIT $PY -m pytest -q -p no:cacheprovider "${ids[@]}" \
+    > "$OUT_DIR/kernel_tests.log" 2>&1 || status=1
+  tail -25 "$OUT_DIR/kernel_tests.log"
+  timeout -k 5 30 $PY -c "from parallel.kernels import cudnn; print('cudnn probe:', cudnn.probe())" 2>&1 | tail -1
+fi
 
-stage "2. bench_kernels: one round per type, bf16, $HEADS heads of $HEAD_DIM"
-timeout -k 10 95 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --head-dim $HEAD_DIM \
-  --block $BLOCK --repeats $REPEATS --kernels pallas,cudnn,cudnn_bare --cases diagonal,striped,full \
-  --json "$OUT_DIR/bench_kernels.json" > "$OUT_DIR/bench_kernels.log" 2>&1 || status=1
-tail -30 "$OUT_DIR/bench_kernels.log"
-stage "2b. xla, diagonal at $XLA_CHUNK with $XLA_BLOCK-position tiles (llama_1b's)"
-timeout -k 10 15 $PY scripts/bench_kernels.py --chunks $XLA_CHUNK --heads $HEADS --head-dim $HEAD_DIM \
-  --repeats 3 --kernels xla --xla-block $XLA_BLOCK --cases diagonal \
-  --json "$OUT_DIR/bench_xla_tiles.json" > "$OUT_DIR/bench_xla_tiles.log" 2>&1 || status=1
-tail -4 "$OUT_DIR/bench_xla_tiles.log"
+if wanted 2; then
+  stage "2. bench_kernels: one round per type, bf16, $HEADS heads of $HEAD_DIM"
+  timeout -k 10 95 $PY scripts/bench_kernels.py --chunks $CHUNKS --heads $HEADS --head-dim $HEAD_DIM \
+    --block $BLOCK --repeats $REPEATS --kernels pallas,cudnn,cudnn_bare --cases diagonal,striped,full \
+    --json "$OUT_DIR/bench_kernels.json" > "$OUT_DIR/bench_kernels.log" 2>&1 || status=1
+  tail -30 "$OUT_DIR/bench_kernels.log"
+fi
+if wanted 2b; then
+  stage "2b. xla, diagonal at $XLA_CHUNK with $XLA_BLOCK-position tiles (llama_1b's)"
+  timeout -k 10 40 $PY scripts/bench_kernels.py --chunks $XLA_CHUNK --heads $HEADS --head-dim $HEAD_DIM \
+    --repeats 3 --kernels xla --xla-block $XLA_BLOCK --cases diagonal \
+    --json "$OUT_DIR/bench_xla_tiles.json" > "$OUT_DIR/bench_xla_tiles.log" 2>&1 || status=1
+  tail -4 "$OUT_DIR/bench_xla_tiles.log"
+fi
 
-stage "3. llama_1b at $SEQ tokens on one GPU, cudnn then pallas_gpu, remat auto"
-# Rows of one document each (stdlib files joined into ~100k-token documents), so every step
-# attends the whole causal triangle that MFU counts: short packed documents skip most tiles
-# and make a step's speed depend on which documents it drew. A tokenizer trained on such a
-# file (data/tokenizer.py's cache, carried in .cache) saves training one here.
-docs=/tmp/device_check_long_docs.jsonl
-$PY - "$docs" <<'PYEOF'
+if wanted 3; then
+  stage "3. llama_1b at $SEQ tokens on one GPU, kernels $TRAIN_KERNELS, remat auto"
+  # Rows of one document each (stdlib files joined into ~100k-token documents), so every step
+  # attends the whole causal triangle that MFU counts: short packed documents skip most tiles
+  # and make a step's speed depend on which documents it drew. A tokenizer trained on such a
+  # file (data/tokenizer.py's cache, carried in .cache) saves training one here.
+  docs=/tmp/device_check_long_docs.jsonl
+  $PY - "$docs" <<'PYEOF'
 import json, pathlib, sys, sysconfig
 files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
 with open(sys.argv[1], "w") as out:
@@ -103,27 +116,34 @@ with open(sys.argv[1], "w") as out:
             if n == 24:
                 break
 PYEOF
-tok=""; [ "$REHEARSE" = 1 ] || tok=$(ls .cache/data/tokenizers/bpe-32000-*.json 2>/dev/null | head -1)
-MODEL="$MODEL --config.data.source=jsonl --config.data.path=$docs${tok:+ --config.data.tokenizer=$tok}"
-for kernel in cudnn pallas_gpu; do
-  run="$OUT_DIR/llama_1b_$kernel"
-  # shellcheck disable=SC2086  # MODEL is a list of flags
-  timeout -k 10 75 $PY train.py --config configs/llama_1b.py --workdir "$run" $MODEL \
-    --config.attention.kernel=$kernel --config.model.remat=auto --config.mesh.fsdp=1 --config.mesh.sequence=1 \
-    --config.data.seq_len=$SEQ --config.data.batch_size=1 \
-    --config.train.steps=8 --config.train.log_every=2 --config.train.warmup_steps=2 \
-    --config.train.eval_batches=0 --config.checkpoint.every=0 > "$OUT_DIR/train_$kernel.log" 2>&1 || status=1
-  grep -E "model:|remat auto|step|error|Error" "$OUT_DIR/train_$kernel.log" | tail -9
-  cp "$run/metrics.jsonl" "$OUT_DIR/metrics_$kernel.jsonl" 2>/dev/null
-  rm -rf "$run"  # the final checkpoint of a 1B model is 13 GB: keep the disk for the next run
-done
-stage "4. profile_step: llama_1b at $SEQ tokens, kernel auto, remat auto"
-# shellcheck disable=SC2086
-timeout -k 10 90 $PY scripts/profile_step.py --config configs/llama_1b.py $MODEL --steps 2 --warmup 1 \
-  --trace-dir "$OUT_DIR/profile" --json "$OUT_DIR/profile.json" --config.model.remat=auto \
-  --config.mesh.fsdp=1 --config.mesh.sequence=1 --config.data.seq_len=$SEQ \
-  --config.data.batch_size=1 > "$OUT_DIR/profile.log" 2>&1 || status=1
-tail -16 "$OUT_DIR/profile.log"
+  tok=""; [ "$REHEARSE" = 1 ] || tok=$(ls .cache/data/tokenizers/bpe-32000-*.json 2>/dev/null | head -1)
+  MODEL="$MODEL --config.data.source=jsonl --config.data.path=$docs${tok:+ --config.data.tokenizer=$tok}"
+  for kernel in $TRAIN_KERNELS; do
+    run="$OUT_DIR/llama_1b_$kernel"
+    # shellcheck disable=SC2086  # MODEL is a list of flags
+    timeout -k 10 75 $PY train.py --config configs/llama_1b.py --workdir "$run" $MODEL \
+      --config.attention.kernel=$kernel --config.model.remat=auto --config.mesh.fsdp=1 --config.mesh.sequence=1 \
+      --config.data.seq_len=$SEQ --config.data.batch_size=1 \
+      --config.train.steps=8 --config.train.log_every=2 --config.train.warmup_steps=2 \
+      --config.train.eval_batches=0 --config.checkpoint.every=0 > "$OUT_DIR/train_$kernel.log" 2>&1 || status=1
+    grep -E "model:|remat auto|step|error|Error" "$OUT_DIR/train_$kernel.log" | tail -9
+    cp "$run/metrics.jsonl" "$OUT_DIR/metrics_$kernel.jsonl" 2>/dev/null
+    rm -rf "$run"  # the final checkpoint of a 1B model is 13 GB: keep the disk for the next run
+  done
+fi
+
+if wanted 4; then
+  stage "4. profile_step: llama_1b at $SEQ tokens, kernel auto, remat auto"
+  # shellcheck disable=SC2086
+  timeout -k 10 90 $PY scripts/profile_step.py --config configs/llama_1b.py $MODEL --steps 2 --warmup 1 \
+    --trace-dir "$OUT_DIR/profile" --json "$OUT_DIR/profile.json" --config.model.remat=auto \
+    --config.mesh.fsdp=1 --config.mesh.sequence=1 --config.data.seq_len=$SEQ \
+    --config.data.batch_size=1 > "$OUT_DIR/profile.log" 2>&1 || status=1
+  tail -40 "$OUT_DIR/profile.log"
+  # the raw trace beside the logs, compressed (the trace folder is too deep for some copiers)
+  trace=$(ls -t "$OUT_DIR"/profile/plugins/profile/*/*.xplane.pb 2>/dev/null | head -1)
+  [ -n "$trace" ] && gzip -c "$trace" > "$OUT_DIR/profile.xplane.pb.gz" && rm -rf "$OUT_DIR/profile"
+fi
 
 stage "done (status $status); logs and JSON in $OUT_DIR"
 exit $status

@@ -57,6 +57,56 @@ def test_ops_fall_in_their_rows():
     assert profile.row_of(None, comps) == "elementwise and other"
 
 
+def _plane(name, lines):
+    """A trace plane as jax.profiler.ProfileData gives it: lines of events with stats."""
+    from types import SimpleNamespace as NS
+    return NS(name=name, lines=[NS(name=ln, events=[
+        NS(name=e, start_ns=s, end_ns=t, stats=list(stats.items())) for e, s, t, stats in evs])
+        for ln, evs in lines])
+
+
+def test_a_raw_gpu_trace_reads_every_kernel_by_its_hlo_op():
+    """A GPU trace as jax.profiler writes it on an H200 (2026-12-04): CUPTI's stream lines, each
+    kernel naming its HLO op (stat hlo_op; the kernel's own name is a library's or a reused
+    fusion's); no derived "XLA Ops" line. Kernels inside a command buffer name only the buffer
+    (profile_step compiles the traced step without them): they fall in "elementwise and other".
+    Another GPU's plane and the host plane's events are not device 0's."""
+    from types import SimpleNamespace as NS
+    ops, comps = profile.parse_hlo(HLO)
+    gpu0 = _plane("/device:GPU:0", [
+        ("Stream #14(Memset,Compute,MemcpyD2H)", [
+            ("nvjet_sm90_tst_128x128_64x6_1x2_h_bz_NNT", 0, 10, {"hlo_op": "gemm.1"}),
+            ("loop_add_fusion_3", 10, 14, {"hlo_op": "fusion.2"}),  # a reused kernel's name
+            ("loop_broadcast_fusion_35", 14, 15, {"hlo_op": "command_buffer_1"})]),
+        ("Stream #86(MemcpyD2D)", [("MemcpyD2D", 15, 17, {"hlo_op": "fusion.3"})]),
+        ("Stream #92(Compute)", [])])
+    gpu1 = _plane("/device:GPU:1", [("Stream #14(Compute)", [("x", 0, 99, {"hlo_op": "gemm.1"})])])
+    host = _plane("/host:CPU", [("python3", [("profile_step", 0, 20, {})])])
+    trace = NS(planes=[host, gpu0, gpu1])
+    got = [(iv.start, iv.end, iv.row) for iv in profile.device_ops(trace, ops, comps, device=0)]
+    assert got == [(0, 10, "matmuls"), (10, 14, "attention forward"),
+                   (14, 15, "elementwise and other"), (15, 17, "norms")]
+    assert profile.step_windows(trace) == [(0, 20)]
+    # with a derived "XLA Ops" line (xprof's conversion), that line alone: no kernel twice
+    derived = _plane("/device:GPU:0", [("XLA Ops", [("fusion.1", 0, 10, {})]),
+                                       ("Stream #14(Compute)", [("k", 0, 10, {"hlo_op": "fusion.1"})])])
+    assert [iv.row for iv in profile.device_ops(NS(planes=[derived]), ops, comps)] == ["matmuls"]
+    said = profile.describe(trace)
+    assert "plane '/device:GPU:0': 3 lines" in said
+    assert "line 'Stream #14(Memset,Compute,MemcpyD2H)': 3 events" in said and "'hlo_op'" in said
+
+
+def test_the_gpu_trace_options_are_options_this_jax_knows():
+    """profile_step compiles a GPU step with GPU_TRACE_OPTIONS: a misspelt option or value would
+    fail there only, so it is compiled here (XLA checks every option on any platform)."""
+    import jax
+    import jax.numpy as jnp
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    assert float(lowered.compile(compiler_options=profile.GPU_TRACE_OPTIONS)(jnp.ones(3))[0]) == 2
+    with pytest.raises(Exception, match="not a valid enum value"):
+        lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": "NO_SUCH_TYPE"})
+
+
 def test_profile_of_a_cpu_step_adds_up_to_the_step(tmp_path, capsys):
     out = tmp_path / "profile.json"
     code = profile_step.main(["--config", "configs/tiny.py", "--steps", "2", "--warmup", "1",

@@ -182,6 +182,10 @@ NEXT = {
         "jax.distributed's timeout",
     # the profiler's trace
     "test_profile.py::test_profile_of_a_cpu_step_adds_up_to_the_step": "jax.profiler's trace",
+    "test_profile.py::test_the_gpu_trace_options_are_options_this_jax_knows":
+        "XLA's compiler options",
+    # the loop's clock against a dispatch that blocks (a GPU's)
+    "test_loop.py": "jax.block_until_ready and dispatch",
 }
 
 # The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py

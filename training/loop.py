@@ -18,7 +18,6 @@ from training import watchdog as watchdogs
 from training.divergence import Diverged, Divergence  # noqa: F401  (Diverged: entry.py's)
 from training.logger import MetricsLogger
 from training.mfu import peak_flops_total
-from training.optim import schedule
 from training.state import Trainer
 from configs.validate import validate
 
@@ -170,10 +169,6 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
 
     if start == 0:
         do_eval(0)
-    # Jitted and called once here: evaluated eagerly, the schedule's first call at a log step
-    # compiled a dozen small ops inside the timed window (about 0.4 s on a CPU).
-    lr_at = jax.jit(schedule(t))
-    lr_at(0).block_until_ready()
     pending, clock, clock_step, t_first = None, None, start, time.perf_counter()
     stopped, latest = None, {}
     divergence = Divergence(config, trainer, pipe, ckpts, log.write)
@@ -181,12 +176,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     def flush(pending) -> int | None:
         """Logs a pending log step; returns the first non-finite step instead, if any."""
         nonlocal clock, clock_step
-        step, metrics = pending
-        # The clock reads when step `step` is done, not when its metrics reach the host: a
-        # device-to-host copy can queue behind the step dispatched after it, which made the
-        # last log step (with no step after it) look several times faster on an H200.
-        jax.block_until_ready(metrics)
-        now = time.perf_counter()
+        step, metrics, now = pending
         metrics = jax.device_get(metrics)
         if metrics["bad_step"] >= 0:
             return int(metrics["bad_step"]) + 1
@@ -197,7 +187,7 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
             clock, clock_step = now, step
         latest["loss"] = float(metrics["loss"])
         log.train({"step": step, "loss": latest["loss"],
-                   "grad_norm": float(metrics["grad_norm"]), "lr": float(lr_at(step - 1)),
+                   "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / peak})
         return None
 
@@ -222,7 +212,13 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
             elif pending is not None:  # read the previous log step only after dispatching this one
                 bad, pending = flush(pending), None
             if step % t.log_every == 0 or step == t.steps:
-                pending = (step, metrics)
+                # The clock reads when this step is done, before the next is dispatched: on a
+                # GPU a big step's dispatch returns only once most of its kernels are queued,
+                # near the end of the step before, so a clock read after the next dispatch
+                # counted one step too many (the first log step read half speed, the last
+                # twice). The values are read after the next dispatch, as before.
+                jax.block_until_ready(metrics)
+                pending = (step, metrics, time.perf_counter())
             log.advance()
             stopping = step != t.steps and should_stop(stop, ckpts.manager, step)
             last = stopping or step == t.steps

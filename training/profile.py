@@ -97,20 +97,27 @@ class Interval:
     row: str
 
 
+# Compiler options for a traced GPU step: no command buffers, so every kernel names its HLO op.
+GPU_TRACE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+# A GPU plane's derived line of XLA ops (written by xprof's conversion; a raw trace may lack it).
+GPU_OP_LINES = ("XLA Ops", "Ops")
+
+
 def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interval]:
-    """The leaf XLA ops of ``device`` in the trace: a GPU's ``/device:GPU:N`` plane, or on a
-    CPU the thunks whose ``device_ordinal`` is ``device``."""
+    """The leaf XLA ops of ``device`` in the trace: on a GPU's ``/device:GPU:N`` plane its
+    ``XLA Ops`` line, or where the trace holds only CUPTI's stream lines, every kernel that names
+    its HLO op (stat ``hlo_op``); on a CPU the thunks whose ``device_ordinal`` is ``device``."""
     out = []
     for plane in profile.planes:
         gpu = re.search(r"/device:GPU:(\d+)", plane.name)
         if gpu and int(gpu.group(1)) != device:
             continue
-        for line in plane.lines:
-            if gpu and line.name not in ("XLA Ops", "Ops"):
-                continue
+        lines = list(plane.lines)
+        derived = [ln for ln in lines if ln.name in GPU_OP_LINES]
+        for line in (derived or lines) if gpu else lines:
             for e in line.events:
                 stats = dict(e.stats)
-                name = stats.get("hlo_op") or (e.name if gpu else None)
+                name = stats.get("hlo_op") or (e.name if gpu and derived else None)
                 if not name or (not gpu and stats.get("device_ordinal") != device):
                     continue
                 op = ops.get(name)
@@ -118,6 +125,22 @@ def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interva
                     continue
                 out.append(Interval(int(e.start_ns), int(e.end_ns), row_of(op, comps)))
     return out
+
+
+def describe(profile, limit: int = 12) -> str:
+    """What a trace holds, for a trace the rows cannot be read from: each plane's lines, their
+    event counts and one event's name and stat names."""
+    said = []
+    for plane in profile.planes:
+        lines = list(plane.lines)
+        said.append(f"plane {plane.name!r}: {len(lines)} lines")
+        for line in lines[:limit]:
+            events = list(line.events)
+            first = events[0] if events else None
+            sample = (f"; first {first.name[:60]!r} stats {sorted(dict(first.stats))[:8]}"
+                      if first is not None else "")
+            said.append(f"  line {line.name!r}: {len(events)} events{sample}")
+    return "\n".join(said)
 
 
 def step_windows(profile) -> list[tuple[int, int]]:

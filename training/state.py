@@ -14,7 +14,7 @@ from model.decoder import Decoder
 from model.sharded import ShardedModel
 from parallel.mesh import batch_sharding
 from training import remat
-from training.optim import decay_mask, make_optimizer
+from training.optim import decay_mask, make_optimizer, schedule
 
 # For a step compiled only to read its memory (the planner; model.remat=auto): the backend's
 # code generation can skip its optimisations (a third less compile time); buffer assignment,
@@ -54,6 +54,7 @@ class Trainer:
         self.graphdef, self.backend = self.sharded.graphdef, self.sharded.backend
         self.param_shardings = self.sharded.param_shardings
         self.optimizer = make_optimizer(config.train, decay_mask(self.sharded.abstract_state))
+        self.lr_schedule = schedule(config.train)
         replicated = NamedSharding(mesh, P())
         abstract_pure = nnx.to_pure_dict(self.sharded.abstract_state)
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_pure)
@@ -162,7 +163,10 @@ class Trainer:
         # An inf gradient with a finite loss poisons the parameters just the same.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         bad_step = jnp.where((state.bad_step < 0) & ~finite, state.step, state.bad_step)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "bad_step": bad_step}
+        # The step's learning rate travels with its metrics: computed on the host at log time,
+        # a jitted op would queue behind the step dispatched after it and stall the device.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "bad_step": bad_step,
+                   "lr": self.lr_schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           bad_step=bad_step), metrics
 

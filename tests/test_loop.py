@@ -1,0 +1,50 @@
+"""training/loop.py: what the loop measures and logs, apart from the end-to-end runs."""
+import json
+import time
+
+import jax
+import pytest
+
+import trained_run as tr
+from training import loop
+from training.optim import schedule
+from training.state import Trainer
+
+PAUSE_S = 0.25  # far longer than a tiny step: the only cost a log interval may count
+
+
+class BlockingDispatch(Trainer):
+    """A trainer whose step dispatch returns only once the step is done, and PAUSE_S later: what
+    an H200 does with a 1B model's step (its kernels fill the launch queue, so the dispatch
+    returns near the end of the step)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        step = self.train_step
+
+        def synchronous(state, batch):
+            out = step(state, batch)
+            jax.block_until_ready(out)
+            time.sleep(PAUSE_S)
+            return out
+
+        self.train_step = synchronous
+
+
+def test_tokens_per_s_counts_each_interval_once_when_dispatch_blocks(tmp_path, monkeypatch):
+    """Each logged tokens/s covers exactly the steps since the last log step: with a dispatch
+    that blocks for its step, the first log step read half the speed and the last twice it while
+    the clock was read after the next step's dispatch. The learning rate logged is the
+    schedule's at the step (it travels in the step's metrics)."""
+    monkeypatch.setattr(loop, "Trainer", BlockingDispatch)
+    config = tr.config(**{"train.steps": 6, "train.log_every": 2, "train.eval_batches": 0,
+                          "checkpoint.every": 0})
+    loop.run(config, tmp_path)
+    records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    # seconds per step as logged (step 2: the one step after the compiled first; 4 and 6: two)
+    per_step = [config.data.batch_size * config.data.seq_len / r["tokens_per_s"] for r in records]
+    assert min(per_step) >= PAUSE_S and max(per_step) < 1.25 * min(per_step), per_step
+    lr = schedule(config.train)
+    for r in records:
+        assert r["lr"] == pytest.approx(float(lr(r["step"] - 1)), rel=1e-6)
