@@ -426,9 +426,16 @@ def test_kernel_rates_read_the_measured_table_and_a_bench_json(tmp_path):
     f, fb = 348.5, 289.4  # 32k: the backward alone does 2.5 x the forward's FLOPs in t_fb - t_f
     assert r.backward_flops_s("diagonal", 32768) == pytest.approx(2.5e12 / (3.5 / fb - 1 / f))
     assert r.forward_flops_s("full", 65536) == 348.5e12  # no full row: the diagonal's, clamped
-    assert kr.load("h200", "cudnn").source.endswith("bare cuDNN's rates")
+    own = kr.load("h200", "cudnn")  # the ring's cudnn round, measured per round type
+    assert own.forward_flops_s("striped", 32768) == 593.4e12 and "bare" not in own.source
     with pytest.raises(ValueError, match="has no rates for kernel pallas_tpu; valid: xla"):
         kr.load("h200", "pallas_tpu")
+    bare_only = tmp_path / "bare.json"  # a bench of bare cuDNN alone times the cudnn round
+    bare_only.write_text(json.dumps({"rows": [
+        {"kernel": "cudnn_bare", "case": "diagonal", "chunk": 8192, "fwd_tflops": 350.0,
+         "fwd_bwd_tflops": 390.0}]}))
+    bare = kr.load(str(bare_only), "cudnn")
+    assert bare.source.endswith("bare cuDNN's rates") and bare.forward_flops_s("diagonal", 8192) == 350e12
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"rows": [
         {"kernel": "cudnn", "case": "diagonal", "chunk": 8192, "fwd_tflops": 400.0,
@@ -456,6 +463,12 @@ def test_the_planner_predicts_the_measured_h200_llama_1b_step():
                       impls=["ring"])["layouts"]["contiguous"]["tokens_per_s"]
     assert round(bound, -2) == 42_800 and bound > 2 * tps
     assert predicted["kernel_rates"]["caveat"] == ""
+    # cudnn at its own round's rates: device_check.sh measured 22,828-27,152 tokens/s (median
+    # 25.7k, no remat) on 2026-12-04
+    c.attention.kernel = "cudnn"
+    cudnn = make_plan(c, mesh, 32768, 1, "h200", ["contiguous"], compile_program=False,
+                      impls=["ring"], kernel_rates="h200")["layouts"]["contiguous"]["tokens_per_s"]
+    assert abs(cudnn / 25_700 - 1) < 0.15 and round(cudnn, -2) == 24_400, cudnn
     # xla is the known miss: predicted 2.19k against 3,900-4,100 measured. Its rows were measured
     # with 512-position tiles, llama_1b runs 1,024 (docs/planning.md): the plan says so
     c.attention.kernel = "xla"
