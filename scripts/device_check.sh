@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Checks and times the GPU path on one GPU host, in about 8 minutes (the stages' time limits
-# add up to 8 min; a stage that ignores its limit is killed 10 s later); installs nothing from the
+# Checks and times the GPU path on one GPU host, in at most 8 minutes (the stages' time limits
+# add up to 8 min 0 s; a stage that ignores its limit is killed 10 s later); installs nothing from the
 # network. From the repository root on the GPU host:
 #
 #     bash scripts/device_check.sh [OUT_DIR]
@@ -135,7 +135,7 @@ fi
 if wanted 4; then
   stage "4. profile_step: llama_1b at $SEQ tokens, kernel auto, remat auto"
   # shellcheck disable=SC2086
-  timeout -k 10 90 $PY scripts/profile_step.py --config configs/llama_1b.py $MODEL --steps 2 --warmup 1 \
+  timeout -k 10 85 $PY scripts/profile_step.py --config configs/llama_1b.py $MODEL --steps 2 --warmup 1 \
     --trace-dir "$OUT_DIR/profile" --json "$OUT_DIR/profile.json" --config.model.remat=auto \
     --config.mesh.fsdp=1 --config.mesh.sequence=1 --config.data.seq_len=$SEQ \
     --config.data.batch_size=1 > "$OUT_DIR/profile.log" 2>&1 || status=1

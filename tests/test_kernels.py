@@ -582,10 +582,13 @@ def test_device_check_stage_limits_fit_its_eight_minutes():
     root = pathlib.Path(__file__).resolve().parent.parent
     text = (root / "scripts" / "device_check.sh").read_text()
     gpu = dict(re.findall(r"(\w+)=(\S+)", re.search(r"^else\n(.*?)^fi", text, re.M | re.S)[1]))
-    def limits(script):  # a stage inside a loop counts once per item
-        loop = re.search(r"^for \w+ in ([^;]+); do\n(.*?)^done", script, re.M | re.S)
+    defaults = dict(re.findall(r"^(\w+)=\$\{\w+:-([^}]*)\}", text, re.M))  # X=${X:-default}
+
+    def limits(script):  # a stage inside a loop counts once per item (the default items)
+        loop = re.search(r"^ *for \w+ in ([^;]+); do\n(.*?)^ *done", script, re.M | re.S)
         if loop:
-            inner = limits(loop[2]) * len(loop[1].split())
+            items = " ".join(defaults.get(w.lstrip("$"), w) for w in loop[1].split())
+            inner = limits(loop[2]) * len(items.split())
             return limits(script[:loop.start()]) + inner + limits(script[loop.end():])
         return [int(gpu.get(x.lstrip("$"), x)) for x in re.findall(r"timeout -k \d+ (\S+)", script)]
     said = re.search(r"add up to (\d) min (\d+) s", text)
