@@ -33,16 +33,26 @@ class Run:
     def eos(self) -> int:
         """Where generation ends: an imported model's own end-of-text (its
         tokenizer_config.json's ``eos_token``, as transformers reads it: an instruct model's
-        end of turn), else the tokenizer's end-of-text token (data.tokenizer.eos_id)."""
+        end of turn), found beside the run's tokenizer, in its import's side files or in the
+        runs it started from; else the tokenizer's end-of-text token (data.tokenizer.eos_id)."""
+        from data.chat_template import candidate_dirs
         from data.tokenizer import eos_id
-        try:  # hf.convert.HF_DIR: the imported side files
-            eos = json.loads((self.directory / "hf" / "tokenizer_config.json").read_text())
-            eos = eos.get("eos_token") if isinstance(eos, dict) else None
-        except (OSError, ValueError):
-            eos = None
+        eos = None
+        for d in candidate_dirs(str(self.directory / "tokenizer.json")):
+            try:
+                eos = json.loads((d / "tokenizer_config.json").read_text()).get("eos_token")
+                break
+            except (OSError, ValueError, AttributeError):
+                continue
         eos = eos.get("content") if isinstance(eos, dict) else eos
         own = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
         return eos_id(self.tokenizer) if own is None else own
+
+    def chat_template(self):
+        """The run's chat template (data/chat_template.py): the one it trained with, or the one
+        its tokenizer came with; DataError in one line when it has none."""
+        from data import chat_template
+        return chat_template.load("", str(self.directory / "tokenizer.json"))
 
     def restore_params(self, abstract_params, step: int | None = None) -> Restored:
         got = self.checkpoints.restore_params(

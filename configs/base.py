@@ -114,6 +114,16 @@ def get_config() -> ml_collections.ConfigDict:
     # stop, naming file and line or row; or skip: leave it out (invalid UTF-8: replace it),
     # counted in the startup line (data/files.py).
     d.bad_records = "stop"  # stop | skip
+    # What a record is: text (documents, packed as one stream) | chat (a conversation: data/sft.py
+    # renders it with the run's chat template and trains the assistant's tokens only; whole
+    # conversations packed into rows, each its own segment; jsonl or hf sources)
+    d.format = "text"
+    d.messages_field = ""  # chat: the field holding the messages; "" = messages, else conversations
+    d.chat_template = ""  # chat: a .jinja file (or tokenizer_config.json); "" = the tokenizer's own
+    # chat: which tokens train: assistant (every assistant turn, end-of-turn included, headers
+    # not) | last_assistant | all (every token of the conversation)
+    d.train_on = "assistant"
+    d.too_long = "drop"  # chat: a conversation longer than data.seq_len: drop | truncate (counted)
     d.tokenizer = ""  # path to a tokenizer.json; "" trains a byte-level BPE on the source (cached)
     d.cache_dir = ".cache/data"  # where trained tokenizers and token caches live
     d.max_docs = 0  # read at most this many documents (0 = all; with a mixture: from each source)

@@ -123,6 +123,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
         check_long_context_data(d)
     except DataError as e:
         raise ConfigError(str(e)) from None
+    _check_chat_data(d)
 
     _need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _need(t.lr > 0, f"train.lr={t.lr} must be > 0")
@@ -143,6 +144,23 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(config.wandb.mode in WANDB_MODES,
           f"wandb.mode={config.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     return sizes
+
+
+def _check_chat_data(d):
+    """data.format and the chat fields (data/sft.py)."""
+    from data.chat_template import TRAIN_ON
+    from data.sft import FORMATS, TOO_LONG
+    fmt = d.get("format", "text")
+    _need(fmt in FORMATS, f"data.format={fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "text":
+        return
+    _need(d.source in ("jsonl", "hf"),
+          f"data.format={fmt} reads records from data.source=jsonl or hf, not {d.source!r}")
+    _need(d.train_on in TRAIN_ON,
+          f"data.train_on={d.train_on!r} is not one of {', '.join(TRAIN_ON)}")
+    _need(d.too_long in TOO_LONG, f"data.too_long={d.too_long!r} is not one of {', '.join(TOO_LONG)}")
+    _need(bool(d.tokenizer), f"data.format={fmt} needs the model's tokenizer and its chat "
+                             f"template: set data.tokenizer (configs/sft.py:RUN_DIR sets a run's)")
 
 
 def _check_tiles(kernel, a, m, seq_len, n, platform):

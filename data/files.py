@@ -61,6 +61,21 @@ class Reader:
         for path in paths:
             yield from read(path)
 
+    def records(self, paths: list[str]) -> Iterator[tuple[str, object]]:
+        """(where, record) of every JSON record of jsonl files (a line, or an element of a .json
+        array), as parsed: what a record holds is the caller's to check (data/chat.py). A line
+        that is not JSON stops the read or is counted and passed over, as for documents."""
+        if self.kind != "jsonl":
+            raise DataError(f"records are read from jsonl files, not {self.kind}")
+        self.bad = BadRecords()
+        for path in paths:
+            if _first_byte(path) == b"[":
+                for n, record in enumerate(_json_array(path), 1):
+                    yield f"{path} record {n}", record
+            else:
+                for n, record in self._json_lines(path):
+                    yield f"{path} line {n}", record
+
     def _decode(self, raw: bytes, where: str) -> str:
         try:
             return raw.decode("utf-8")

@@ -5,6 +5,9 @@ source (or a mixture of sources) -> tokenizer (trained once, cached) -> tokenize
 documents upsampled) -> per-epoch shuffled packing -> layout permutation -> global arrays
 sharded on the mesh.
 
+``data.format=chat`` reads conversations instead (data/sft.py: the same batches, rows of whole
+conversations, the loss mask on the assistant's tokens).
+
 Batches are dicts of global ``jax.Array``s ``[B, L]`` in layout order, sharded
 ``P(("data", "fsdp"), "sequence")``: ``tokens``, ``labels`` (int32), ``positions`` (int32 true
 RoPE positions), ``segment_ids`` (int32, documents 1.. within a row, 0 for padding) and
@@ -72,17 +75,7 @@ class RowSource:
 class Pipeline:
     def __init__(self, config, mesh: Mesh):
         d = config.data
-        self.seq_len, self.batch_size = int(d.seq_len), int(d.batch_size)
-        self.layout = Layout(config.attention.layout, int(mesh.shape["sequence"]),
-                             int(config.attention.stripe))
-        _check_shapes(self.seq_len, self.batch_size, self.layout, mesh)
-        _check_data_fields(d)
-        self.mesh = mesh
-        self.sharding = batching.batch_sharding(mesh)
-        self.global_shape = (self.batch_size, self.seq_len)
-        self._rows, self._cols = batching.process_block(self.sharding, self.global_shape)
-        self._perm = self.layout.perm(self.seq_len)
-
+        self._init_batches(config, mesh)
         self.source = sources.make_source(d)
         self._read(d, int(config.model.vocab_size))
         self._choose_documents(d)
@@ -99,6 +92,22 @@ class Pipeline:
         plain = {"data_plan": mixture.digest(self.selection.unfiltered_train)}
         self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
                                    int(d.prefetch), identity, defaults=plain)
+
+    def _init_batches(self, config, mesh: Mesh) -> None:
+        """The batches' shape, layout and sharding, this process's block of them: what every
+        kind of data (text, chat) shares."""
+        d = config.data
+        self.seq_len, self.batch_size = int(d.seq_len), int(d.batch_size)
+        self.layout = Layout(config.attention.layout, int(mesh.shape["sequence"]),
+                             int(config.attention.stripe))
+        _check_shapes(self.seq_len, self.batch_size, self.layout, mesh)
+        _check_data_fields(d)
+        self.mesh = mesh
+        self.sharding = batching.batch_sharding(mesh)
+        self.global_shape = (self.batch_size, self.seq_len)
+        self._rows, self._cols = batching.process_block(self.sharding, self.global_shape)
+        self._perm = self.layout.perm(self.seq_len)
+        self.bad_records = files.BadRecords()
 
     def _read(self, d, vocab: int) -> None:
         """The tokenizer and the tokenized corpus, one part per source, both cached."""
@@ -237,6 +246,10 @@ def _check_data_fields(d) -> None:
 
 
 def make_pipeline(config, mesh: Mesh) -> Pipeline:
-    """Builds the pipeline for ``config`` on ``mesh``; user mistakes raise DataError (one line)."""
+    """Builds the pipeline for ``config`` on ``mesh`` (``data.format``: text streams or chat
+    conversations); user mistakes raise DataError (one line)."""
+    if config.data.get("format", "text") == "chat":
+        from data.sft import ChatPipeline
+        return ChatPipeline(config, mesh)
     return Pipeline(config, mesh)
 

@@ -71,6 +71,12 @@ class Source:
     def documents(self) -> Iterator[str]:
         raise NotImplementedError
 
+    def records(self) -> Iterator[tuple[str, object]]:
+        """(where, record) of a source of records (jsonl files, a dataset): the chat and
+        preference formats read whole records, not a text field."""
+        raise DataError(f"data.source={self.kind!r} holds documents, not records: conversations "
+                        f"are read from data.source=jsonl or hf")
+
 
 class StdlibSource(Source):
     kind = "stdlib"
@@ -169,6 +175,16 @@ class FilesSource(Source):
     def documents(self) -> Iterator[str]:
         return self.reader.documents(self.files)
 
+    def records(self) -> Iterator[tuple[str, object]]:
+        if self.kind != "jsonl":
+            return super().records()
+        return self.reader.records(self.files)
+
+    def record_signature(self) -> str:
+        """The signature of the files themselves, whatever data.text_field says."""
+        policy = ":skip-bad-records" if self.bad_records == "skip" else ""
+        return f"{self.kind}:records{policy}:{_stat_signature(self.files)}"
+
 
 class HFSource(Source):
     """A hub dataset name or a local dataset directory, through ``datasets``."""
@@ -216,6 +232,19 @@ class HFSource(Source):
             raise DataError(f"cannot load {self.description}: {one_line(e)}") from None
         yield from _rows_as_text(_text_column(ds, self.text_field, self.description),
                                  self.text_field, self.description)
+
+    def records(self) -> Iterator[tuple[str, object]]:
+        try:
+            ds = self._load()
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"cannot load {self.description}: {one_line(e)}") from None
+        for n, row in enumerate(ds):
+            yield f"{self.description} row {n}", row
+
+    def record_signature(self) -> str:
+        return self.signature().replace(f":{self.text_field}:", ":records:", 1)
 
 
 class TfdsSource(Source):

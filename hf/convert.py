@@ -53,6 +53,11 @@ def write_tokenizer(run, out: pathlib.Path, model_max_length: int) -> pathlib.Pa
     for name in SIDE_FILES[2:]:
         if side and (side / name).is_file():
             shutil.copyfile(side / name, out / name)
+    own_template = run.directory / "chat_template.jinja"  # what a chat run trained with
+    if own_template.is_file() and (out / "tokenizer_config.json").is_file():
+        cfg = json.loads((out / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = own_template.read_text()
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if not (side and (side / "tokenizer_config.json").is_file()):  # ours, written anew
         eos = next((tok.token_to_id(n) for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
         bos_name = next((n for n in BOS_NAMES if tok.token_to_id(n) is not None), None)
@@ -60,7 +65,9 @@ def write_tokenizer(run, out: pathlib.Path, model_max_length: int) -> pathlib.Pa
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": tok.id_to_token(eos) if eos is not None else None,
             "bos_token": bos_name, "model_max_length": int(model_max_length),
-            "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+            "clean_up_tokenization_spaces": False,
+            **({"chat_template": own_template.read_text()} if own_template.is_file() else {})},
+            indent=2) + "\n")
     return out
 
 

@@ -2,6 +2,12 @@
 
     python scripts/generate.py --run runs/demo --prompt "def main(" [--max-new-tokens 200]
         [--temperature 0.8 --top-k 40] [--seed 0] [--step N] [--json [FILE]] [--no-cache]
+    python scripts/generate.py --run runs/sft --chat --prompt "What does textwrap.dedent do?"
+        [--system "Be brief."]
+
+--chat: the prompt is a user's message: the run's chat template (the one it trained with, or
+its tokenizer's; data/chat_template.py) renders it with the generation prompt, and the reply
+alone is printed, ending at the model's end of turn (its tokenizer_config.json's eos_token).
 
 Greedy (the likeliest token every time) unless --temperature is given, which samples at that
 temperature among the --top-k likeliest tokens (--greedy is still accepted and wins).
@@ -45,6 +51,9 @@ def parse_args(argv=None):
                         "write prompt, tokens and text there")
     p.add_argument("--no-cache", action="store_true",
                    help="the reference: one device, every token recomputes the window")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message, rendered with the run's chat template")
+    p.add_argument("--system", default=None, help="--chat: a system message first")
     args = p.parse_args(argv)
     args.greedy = args.greedy or args.temperature is None
     return args
@@ -59,6 +68,8 @@ def check_args(args):
                               f"for greedy decoding)")
     if args.top_k < 0:
         raise CheckpointError(f"--top-k={args.top_k} must be >= 0 (0 samples among all tokens)")
+    if args.system is not None and not args.chat:
+        raise CheckpointError("--system is a chat's system message: give --chat too")
 
 
 def generate(run, trainer, params, ids: list[int], args) -> list[int]:
@@ -98,7 +109,13 @@ def main(argv=None) -> int:
             raise CheckpointError(f"--max-new-tokens={args.max_new_tokens} leaves no room for "
                                   f"a prompt in the run's data.seq_len="
                                   f"{int(run.config.data.seq_len)}; use fewer")
-        ids = run.tokenizer.encode(args.prompt).ids or [run.eos]  # empty: a new document
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}]
+            text = run.chat_template().render(messages, add_generation_prompt=True)
+            ids = run.tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            ids = run.tokenizer.encode(args.prompt).ids or [run.eos]  # empty: a new document
         keep = int(run.config.data.seq_len) - args.max_new_tokens
         if len(ids) > keep:
             stderr(f"the prompt's {len(ids)} tokens and {args.max_new_tokens} new ones exceed "
@@ -131,12 +148,12 @@ def main(argv=None) -> int:
         if args.json == "-":
             print(json.dumps({"ids": tokens, "text": text}))
         else:
-            print(args.prompt + text)
+            print(text if args.chat else args.prompt + text)
         stderr(f"{len(tokens)} tokens in {time.perf_counter() - t0:.1f}s")
         if args.json and args.json != "-":
             with open(args.json, "w") as f:
                 json.dump({"run": str(run.directory), "step": got.step, "prompt": args.prompt,
-                           "prompt_tokens": run.tokenizer.encode(args.prompt).ids,
+                           "prompt_tokens": ids, "chat": args.chat,
                            "tokens": tokens, "text": text, "greedy": args.greedy,
                            "temperature": args.temperature, "top_k": args.top_k,
                            "seed": args.seed, "cache": not args.no_cache}, f, indent=2)

@@ -115,6 +115,11 @@ SLOW = {
     "test_pattern.py::test_mixed_stack_in_every_kernel": "Pallas interpret mode",
     "test_pattern.py::test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact":
         "two stacks' forward and backward",
+    "test_sft.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching":
+        "a train step per mesh (the first step's loss against transformers stays)",
+    "test_sft.py::test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports":
+        "three chat runs (train.py's entry, in process) and an export",
+    "test_sft.py::test_generate_chat_gives_transformers_greedy_reply": "generate.py's main()",
 }
 
 # The surface whose behaviour depends on JAX's version, for `make test-next`: Pallas (interpret
@@ -186,6 +191,9 @@ NEXT = {
         "XLA's compiler options",
     # the loop's clock against a dispatch that blocks (a GPU's)
     "test_loop.py": "jax.block_until_ready and dispatch",
+    # a chat batch's step on a striped ring against one device
+    "test_sft.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching"
+    "[ring-striped-1x1x8x1-mb1]": "packed conversations' segments on a ring",
 }
 
 # The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py

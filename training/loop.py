@@ -32,14 +32,18 @@ def check_workdir(workdir: pathlib.Path, fingerprint: str):
             f"model.vocab_size, or a new --workdir")
 
 
-def write_run_files(workdir: pathlib.Path, config, tokenizer, fingerprint: str):
+def write_run_files(workdir: pathlib.Path, config, tokenizer, fingerprint: str,
+                    chat_template: str | None = None):
     """The resolved config, the tokenizer and its fingerprint beside the checkpoints: enough for
-    scripts/generate.py and scripts/eval.py to use the run without the data cache."""
+    scripts/generate.py and scripts/eval.py to use the run without the data cache; a chat run's
+    template too (generate.py --chat, export, and a run started from this one read it)."""
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "tokenizer_fingerprint.txt").write_text(fingerprint + "\n")
         (workdir / "tokenizer.json").write_text(tokenizer.to_str())
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+        if chat_template is not None:
+            (workdir / "chat_template.jinja").write_text(chat_template)
 
 
 def forget_after(workdir: pathlib.Path, step: int):
@@ -130,7 +134,9 @@ def run(config, workdir: pathlib.Path) -> dict:
                 log.write(line)
         start, state = start_state(config, trainer, pipe, ckpts, log.write)
         # Only now, with the checkpoint found to fit this config, is the config recorded.
-        write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint)
+        template = getattr(pipe, "template", None)
+        write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint,
+                        template.source if template is not None else None)
         meta = run_meta(config, pipe.fingerprint, mesh)
         if start > 0:
             forget_after(workdir, start)
@@ -188,7 +194,8 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
         latest["loss"] = float(metrics["loss"])
         log.train({"step": step, "loss": latest["loss"],
                    "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
-                   "tokens_per_s": tps, "mfu": tps * flops_tok / peak})
+                   "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
+                   "trained_tokens": int(metrics["tokens"])})
         return None
 
     def first_bad() -> int | None:

@@ -1,0 +1,289 @@
+"""A run's chat template: rendered with jinja2 as transformers renders it, and what to train.
+
+The template is the one the run's tokenizer carries (``tokenizer_config.json``'s
+``chat_template``, or a ``chat_template.jinja`` beside it, as an import or an SFT run writes)
+or the file ``data.chat_template`` names. It renders in a sandbox with transformers' settings
+(``trim_blocks``, ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and
+``strftime_now``) and the tokenizer's special tokens as variables, so a conversation becomes the
+same text here as under ``tokenizer.apply_chat_template``.
+
+What is trained (``spans``) is a list of character spans of that text:
+- a template with ``{% generation %}`` marks: the text inside them (transformers'
+  ``return_assistant_tokens_mask``);
+- a template without (SmolLM2's, Qwen3's, Gemma 3's, Llama 3's): each assistant turn's text,
+  found turn by turn: the turn starts where the conversation rendered up to it with the
+  generation prompt ends, and it is what rendering it as the last message adds. A template may
+  render a turn differently once later messages follow (Qwen3 gives only the last turn an empty
+  ``<think>`` block): then the turn is the longest tail of what it adds that the whole
+  conversation holds at that place, so the trained text is always the text the model reads.
+Role headers are never trained; the end-of-turn token (and what the template writes after it
+within the turn) is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import pathlib
+import re
+
+from errors import DataError
+
+TRAIN_ON = ("assistant", "last_assistant", "all")
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# The names transformers passes a message's reasoning under (its _REASONING_FIELDS): a template
+# may read any of them.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
+
+
+class TemplateError(DataError):
+    """A conversation the template refuses (its raise_exception) or cannot render."""
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str):
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: records where its text lands in the output
+        (the output so far is the chunks ``render`` has collected when the block is emitted)."""
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            self.chunks, self.spans = None, None
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            if self.chunks is not None:
+                start = sum(map(len, self.chunks))
+                self.spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters; transformers' (and so the templates') does not
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        template = env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise DataError(f"the chat template does not parse (line {e.lineno}: {e.message})") from None
+    return template, env.extensions[Generation.identifier]
+
+
+def with_reasoning_aliases(messages: list[dict]) -> list[dict]:
+    """Each message with reasoning under any of its names gets it under all of them, as
+    transformers passes it (a template reads ``reasoning_content`` or ``thinking``)."""
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    source: str  # the jinja text
+    where: str  # where it came from, for the startup line
+    special_tokens: dict  # bos_token, eos_token, ... as the tokenizer's config names them
+
+    @property
+    def digest(self) -> str:
+        """What the token cache is keyed by: the text and the variables it renders with."""
+        blob = json.dumps([self.source, self.special_tokens], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def marked(self) -> bool:
+        """Whether the template marks what to train with ``{% generation %}``."""
+        return bool(GENERATION_MARK.search(self.source))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               marks: list | None = None) -> str:
+        """The conversation's text; ``marks``, when given, receives the generation spans."""
+        import jinja2
+        template, generation = _compile(self.source)
+        chunks = []
+        generation.chunks, generation.spans = (chunks, marks) if marks is not None else (None, None)
+        try:
+            for chunk in template.generate(messages=with_reasoning_aliases(messages), tools=None,
+                                           documents=None,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **self.special_tokens):
+                chunks.append(chunk)
+        except jinja2.exceptions.TemplateError as e:
+            raise TemplateError(f"the chat template refuses it: {e}") from None
+        except Exception as e:  # a template reading a field the messages lack, say
+            raise TemplateError(f"the chat template fails on it ({type(e).__name__}: {e})") from None
+        finally:
+            generation.chunks, generation.spans = None, None
+        return "".join(chunks)
+
+    def spans(self, messages: list[dict], train_on: str = "assistant"
+              ) -> tuple[str, list[tuple[int, int]]]:
+        """(the whole conversation's text, the character spans to train, in order)."""
+        if train_on == "all":
+            text = self.render(messages)
+            return text, [(0, len(text))]
+        if self.marked:
+            marks: list = []
+            text = self.render(messages, marks=marks)
+            spans = [s for s in marks if s[1] > s[0]]
+        else:
+            text = self.render(messages)
+            spans = [s for i, m in enumerate(messages) if m["role"] == "assistant"
+                     for s in [self._turn(messages, i, text)] if s[1] > s[0]]
+        if train_on == "last_assistant":
+            spans = spans[-1:]
+        return text, spans
+
+    def _turn(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
+        """Where assistant turn ``i`` lies in ``text`` (the whole conversation rendered)."""
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        upto = self.render(messages[:i + 1])
+        if not text.startswith(prompt) or not upto.startswith(prompt):
+            raise TemplateError(f"the chat template renders the conversation before assistant "
+                                f"turn {i} differently once the turn follows it, so the turn "
+                                f"cannot be found; give data.chat_template a template with "
+                                f"{{% generation %}} marks")
+        start, added = len(prompt), upto[len(prompt):]
+        if not added:  # the template writes nothing for this turn: nothing of it to train
+            return start, start
+        content = messages[i].get("content")
+        # a tail that lost the content's end is no longer this turn (a template that rewrites
+        # the turn in context beyond a prefix): refuse rather than train a piece of it
+        needle = content.strip()[-32:] if isinstance(content, str) else ""
+        for cut in range(len(added)):  # the longest tail of it found in place
+            if text.startswith(added[cut:], start):
+                if needle in added[cut:]:
+                    return start, start + len(added) - cut
+                break
+        raise TemplateError(f"the chat template renders assistant turn {i} differently once "
+                            f"later messages follow it, beyond a prefix, so the turn cannot be "
+                            f"found; give data.chat_template a template with {{% generation %}} "
+                            f"marks")
+
+
+def token_mask(offsets, spans: list[tuple[int, int]]):
+    """Per token (its character ``offsets`` [n, 2]), whether it overlaps a trained span: the
+    token holding a span's first character through the one holding its last, as transformers
+    maps generation marks to tokens (``char_to_token``). A bool array [n]."""
+    import numpy as np
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    out = np.zeros(len(offsets), dtype=bool)
+    for lo, hi in spans:
+        out |= (offsets[:, 0] < hi) & (offsets[:, 1] > lo)
+    return out
+
+
+# -- finding a run's template -----------------------------------------------------------------
+def _special_tokens(tok_config: dict) -> dict:
+    """The special tokens a tokenizer_config.json names, as strings (an AddedToken dict gives its
+    content)."""
+    out = {}
+    for name in SPECIAL_TOKENS:
+        value = tok_config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def _template_in(config: dict, where: str) -> str | None:
+    t = config.get("chat_template")
+    if isinstance(t, list):  # several named templates: the default one, as transformers picks
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        t = named.get("default")
+        if t is None:
+            raise DataError(f"{where} holds named chat templates ({', '.join(map(str, named))}) "
+                            f"but none named 'default'; give data.chat_template=FILE")
+    return t if isinstance(t, str) and t.strip() else None
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not readable JSON ({e})") from None
+
+
+def candidate_dirs(tokenizer_path: str) -> list[pathlib.Path]:
+    """Where a run's template may be: beside its tokenizer.json, that directory's hf/ (an
+    import's side files), and the runs it started from (checkpoint.restore_from)."""
+    if not tokenizer_path:
+        return []
+    d = pathlib.Path(tokenizer_path).expanduser().absolute().parent
+    out = [d, d / "hf"]
+    for _ in range(8):  # a chain of runs, each started from the one before
+        try:
+            src = json.loads((d / "config.json").read_text())["checkpoint"]["restore_from"]
+        except (OSError, ValueError, KeyError, TypeError):
+            break
+        if not src:
+            break
+        d = pathlib.Path(src).expanduser().absolute()
+        while d != d.parent and not (d / "config.json").is_file():
+            d = d.parent  # restore_from may name checkpoints/ or one step inside the run
+        out += [d, d / "hf"]
+    return out
+
+
+def load(template_path: str, tokenizer_path: str) -> ChatTemplate:
+    """``data.chat_template`` (a .jinja file, or a tokenizer_config.json holding one), else the
+    template the tokenizer at ``tokenizer_path`` came with; one line when there is none."""
+    special: dict = {}
+    for d in candidate_dirs(tokenizer_path):  # the tokenizer's special tokens, wherever found
+        if (d / "tokenizer_config.json").is_file():
+            special = _special_tokens(_read_json(d / "tokenizer_config.json"))
+            break
+    if template_path:
+        p = pathlib.Path(template_path).expanduser()
+        if not p.is_file():
+            raise DataError(f"data.chat_template: no such file {str(p)!r} (give a .jinja file or "
+                            f"a tokenizer_config.json with a chat_template)")
+        if p.suffix == ".json":
+            cfg = _read_json(p)
+            source = _template_in(cfg, str(p))
+            if source is None:
+                raise DataError(f"data.chat_template: {p} holds no chat_template")
+            special = {**special, **_special_tokens(cfg)}
+        else:
+            source = p.read_text()
+        return ChatTemplate(source, str(p), special)
+    for d in candidate_dirs(tokenizer_path):
+        if (d / "chat_template.jinja").is_file():
+            return ChatTemplate((d / "chat_template.jinja").read_text(),
+                                str(d / "chat_template.jinja"), special)
+        if (d / "tokenizer_config.json").is_file():
+            source = _template_in(_read_json(d / "tokenizer_config.json"),
+                                  str(d / "tokenizer_config.json"))
+            if source is not None:
+                return ChatTemplate(source, str(d / "tokenizer_config.json"), special)
+    said = f"the tokenizer {tokenizer_path}" if tokenizer_path else "a trained BPE (data.tokenizer is empty)"
+    raise DataError(f"no chat template: {said} comes with none (no chat_template in a "
+                    f"tokenizer_config.json or chat_template.jinja beside it or its run's "
+                    f"import); give data.chat_template=FILE (a .jinja file)")

@@ -1,0 +1,357 @@
+"""The chat pipeline (``data.format=chat``): conversations, each rendered with the run's chat
+template and tokenized with its trained tokens, packed whole into rows, in the chosen layout.
+
+records (jsonl / hf) -> conversations (data/chat.py; bad ones counted, the first named) ->
+the template's text and trained spans (data/chat_template.py) -> ids and a trained flag per
+token (cached) -> held-out split -> too long: dropped or truncated (``data.too_long``) ->
+best-fit packing, every conversation whole in one row -> rows shuffled per epoch -> layout.
+
+A row holds whole conversations back to back, each with its own segment id (1, 2, ...; 0 for
+padding) and positions from 0, so attention never crosses a conversation in any layout or
+strategy. Inside a conversation the label of token j is token j + 1, trained where that token is
+(``loss_mask``); a conversation's last token has no label. The loss is the sum over the step's
+trained tokens over their count in the whole step (training/state.py), so packing, padding and
+neighbours cannot change it. Packing is best-fit decreasing, done once; each epoch shuffles the
+rows (seeded by data.shuffle_seed and the epoch), so the rows per epoch never change.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+
+import numpy as np
+
+from data import chat, chat_template, files, split, tokenizer as tok_lib
+from data.chat import BadConversation
+from data.iterator import TrainIterator
+from data.pipeline import Pipeline
+from errors import DataError
+
+VERSION = 1  # bump when rendering or masking changes, so old caches are not reused
+FORMATS = ("text", "chat")  # data.format
+TOO_LONG = ("drop", "truncate")
+_ENCODE_CHUNK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversations:
+    """Tokenized conversations back to back: conversation i is ids[offsets[i]:offsets[i+1]]."""
+    ids: np.ndarray  # int32
+    trained: np.ndarray  # bool per token: whether it is trained as a label
+    offsets: np.ndarray  # int64 [n + 1]
+
+    @property
+    def count(self) -> int:
+        return self.offsets.size - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def one(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.ids[a:b], self.trained[a:b]
+
+
+def tokenize(records, template: chat_template.ChatTemplate, tokenizer, train_on: str,
+             messages_field: str = "", tally: chat.Tally | None = None) -> Conversations:
+    """Every conversation of ``records`` ((where, record) pairs) that has something to train:
+    rendered, tokenized (no special tokens added: the template writes them) and masked. Those
+    passed over are counted in ``tally``."""
+    tally = tally if tally is not None else chat.Tally()
+    ids, trained, lengths = [], [], []
+    pending: list[tuple[str, str, list]] = []
+
+    def flush():
+        texts = [text for _, text, _ in pending]
+        for (where, _, spans), enc in zip(pending, tokenizer.encode_batch(
+                texts, add_special_tokens=False)):
+            flags = chat_template.token_mask(enc.offsets, spans)
+            if not flags[1:].any():  # the first token is never a label
+                tally.add("empty", where)
+                continue
+            ids.append(np.asarray(enc.ids, np.int32))
+            trained.append(flags)
+            lengths.append(len(enc.ids))
+        pending.clear()
+
+    for where, record in records:
+        tally.read += 1
+        try:
+            messages = chat.messages_of(record, messages_field)
+            text, spans = template.spans(messages, train_on)
+        except (BadConversation, chat_template.TemplateError) as e:
+            tally.add("bad", f"{where}: {e}")
+            continue
+        pending.append((where, text, spans))
+        if len(pending) >= _ENCODE_CHUNK:
+            flush()
+    flush()
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))  # noqa: E731
+    return Conversations(cat(ids, np.int32), cat(trained, bool), offsets)
+
+
+def _save(conv: Conversations, notes: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".npz")
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, ids=conv.ids, trained=conv.trained, offsets=conv.offsets,
+                 notes=np.frombuffer(json.dumps(notes).encode(), np.uint8))
+    os.replace(tmp, path)  # readers see the whole file or none
+
+
+def cached(cache_dir: str, key: str, make) -> tuple[Conversations, dict, str]:
+    """The conversations cached under ``key`` and the notes of their read (JSON), made by
+    ``make()`` -> (Conversations, notes) if absent: a second run reads neither the source nor
+    the template again, and reports the same counts."""
+    digest = hashlib.sha256(f"{VERSION}\0{key}".encode()).hexdigest()[:16]
+    path = os.path.join(os.path.expanduser(cache_dir), "chat", f"conversations-{digest}.npz")
+    if os.path.isfile(path):
+        with np.load(path) as z:
+            conv = Conversations(z["ids"], z["trained"].astype(bool), z["offsets"])
+            notes = json.loads(z["notes"].tobytes().decode())
+        return conv, notes, path
+    conv, notes = make()
+    _save(conv, notes, path)
+    return conv, notes, path
+
+
+# -- packing ----------------------------------------------------------------------------------
+def best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Items (by index) packed into rows of ``capacity``, each whole: best-fit decreasing (the
+    longest first, each into the fullest row it fits), rows in order of opening, each row's
+    items longest first. Deterministic: ties go to the lower index and the older row."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in order:
+        n = int(lengths[i])
+        if n > capacity:
+            raise ValueError(f"item {i} of {n} does not fit a row of {capacity}")
+        k = bisect.bisect_left(free, (n, -1))
+        if k < len(free):
+            room, r = free.pop(k)
+        else:
+            room, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if room - n > 0:
+            bisect.insort(free, (room - n, r))
+    return rows
+
+
+def row_arrays(conv: Conversations, rows: list[list[int]], seq_len: int, pad_id: int) -> dict:
+    """Natural-order arrays [len(rows), seq_len] of packed rows (pipeline.py's keys)."""
+    shape = (len(rows), seq_len)
+    tokens = np.full(shape, pad_id, np.int32)
+    labels = np.full(shape, pad_id, np.int32)
+    positions = np.zeros(shape, np.int32)
+    segments = np.zeros(shape, np.int32)
+    mask = np.zeros(shape, np.float32)
+    for r, items in enumerate(rows):
+        at = 0
+        for k, i in enumerate(items, 1):
+            ids, trained = conv.one(i)
+            n = ids.size
+            tokens[r, at:at + n] = ids
+            labels[r, at:at + n - 1] = ids[1:]
+            mask[r, at:at + n - 1] = trained[1:]
+            positions[r, at:at + n] = np.arange(n)
+            segments[r, at:at + n] = k
+            at += n
+        positions[r, at:] = np.arange(seq_len - at)  # padding: its own run from 0
+    return {"tokens": tokens, "labels": labels, "positions": positions,
+            "segment_ids": segments, "loss_mask": mask}
+
+
+class ChatRows:
+    """Global rows ``g`` of repeated epochs of packed rows, the rows in a fresh order per epoch
+    (``shuffle``) or in packing order."""
+
+    def __init__(self, conv: Conversations, rows: list[list[int]], seq_len: int, pad_id: int,
+                 seed: int | None):
+        self.conv, self.packed, self.seq_len, self.pad_id, self.seed = conv, rows, seq_len, pad_id, seed
+        self.rows_per_pass = len(rows)
+
+        self._order = (None, None)  # (epoch, its row order): one tuple, swapped atomically
+
+    def order(self, epoch: int) -> np.ndarray:
+        cached_epoch, order = self._order
+        if cached_epoch != epoch:
+            order = (np.arange(self.rows_per_pass) if self.seed is None else
+                     np.random.default_rng([int(self.seed), int(epoch)]).permutation(self.rows_per_pass))
+            self._order = (epoch, order)
+        return order
+
+    def conversations(self, first: int, count: int) -> list[list[int]]:
+        """The conversations (indices) of global rows ``first .. first+count-1``, per row."""
+        picked = []
+        for g in range(first, first + count):
+            epoch, r = divmod(g, self.rows_per_pass)
+            picked.append(self.packed[int(self.order(epoch)[r])])
+        return picked
+
+    def rows(self, first: int, count: int) -> dict[str, np.ndarray]:
+        return row_arrays(self.conv, self.conversations(first, count), self.seq_len, self.pad_id)
+
+
+def fit(conv: Conversations, ids: np.ndarray, seq_len: int, policy: str, tally: chat.Tally
+        ) -> tuple[Conversations, np.ndarray, np.ndarray]:
+    """Conversations ``ids`` as a row takes them: one longer than ``seq_len`` dropped or cut to
+    its first ``seq_len`` tokens (dropped too if that leaves nothing trained). Returns the
+    conversations (a new set when any was cut), the ids kept in it, and for each of its
+    conversations the index it had in ``conv``."""
+    lengths = conv.lengths[ids]
+    long = ids[lengths > seq_len]
+    every = np.arange(conv.count, dtype=np.int64)
+    if long.size == 0:
+        return conv, ids, every
+    for i in long:
+        tally.add("too_long", f"conversation {int(i)} ({int(conv.lengths[i])} tokens)")
+    if policy == "drop":
+        return conv, ids[lengths <= seq_len], every
+    # truncate: copy every kept conversation, the long ones cut (the trained flags cut with them)
+    keep, parts_ids, parts_trained = [], [], []
+    for i in ids:
+        tok, tr = conv.one(int(i))
+        if tok.size > seq_len:
+            tok, tr = tok[:seq_len], tr[:seq_len]
+            if not tr[1:].any():
+                tally.add("cut_to_nothing", f"conversation {int(i)}")
+                continue
+        keep.append(int(i))
+        parts_ids.append(tok)
+        parts_trained.append(tr)
+    offsets = np.concatenate([[0], np.cumsum([p.size for p in parts_ids])]).astype(np.int64)
+    cut = Conversations(np.concatenate(parts_ids).astype(np.int32),
+                        np.concatenate(parts_trained).astype(bool), offsets)
+    return cut, np.arange(len(keep), dtype=np.int64), np.asarray(keep, np.int64)
+
+
+class ChatPipeline(Pipeline):
+    """``data.format=chat``: Pipeline's batches (layout, sharding, held-out batches) over rows
+    of packed conversations."""
+
+    def __init__(self, config, mesh):
+        d = config.data
+        self._init_batches(config, mesh)
+        if d.source not in ("jsonl", "hf"):
+            raise DataError(f"data.format=chat reads conversations from data.source=jsonl or hf, "
+                            f"not {d.source!r}")
+        if d.mixture:
+            raise DataError("data.format=chat reads one source; data.mixture must be empty")
+        if not d.tokenizer:
+            raise DataError("data.format=chat needs the model's tokenizer: set data.tokenizer "
+                            "(configs/sft.py:RUN_DIR sets the run's own)")
+        from data import sources
+        self.source = sources.make_source(d)
+        self.tokenizer = tok_lib.load(d.tokenizer, int(config.model.vocab_size))
+        self.tokenizer_path = d.tokenizer
+        self.fingerprint = tok_lib.fingerprint(self.tokenizer)
+        self.vocab_size = int(config.model.vocab_size)
+        self.eos_id = tok_lib.eos_id(self.tokenizer)
+        self.template = chat_template.load(d.chat_template, d.tokenizer)
+        self.train_on, self.too_long = d.train_on, d.too_long
+        key = "\0".join([self.source.record_signature(), f"max_docs={int(d.max_docs)}", self.fingerprint,
+                         self.template.digest, self.train_on, d.messages_field])
+
+        def make():
+            tally = chat.Tally()
+            records = _limited(self.source.records(), int(d.max_docs))
+            conv = tokenize(records, self.template, self.tokenizer, self.train_on,
+                            d.messages_field, tally)
+            return conv, {"tally": dataclasses.asdict(tally),
+                          "bad_records": dataclasses.asdict(files.tally(self.source.parts))}
+
+        conv, notes, self.cache_path = cached(d.cache_dir, key, make)
+        self.tally = chat.Tally(**notes["tally"])
+        self.bad_records = files.BadRecords(**notes["bad_records"])
+        if conv.count == 0:
+            raise DataError(f"no conversation to train in {self.source.description}: "
+                            f"{self._passed_over() or 'it holds none'}")
+        train_ids, held_ids = split.heldout_split(conv.count, float(d.heldout_fraction))
+        self.conversations_read = conv.count
+        train_conv, train_ids, self._train_origin = fit(conv, train_ids, self.seq_len,
+                                                        self.too_long, self.tally)
+        held_conv, held_ids, self._held_origin = fit(conv, held_ids, self.seq_len, self.too_long,
+                                                     chat.Tally())
+        if train_ids.size == 0:
+            raise DataError(f"every training conversation is longer than data.seq_len="
+                            f"{self.seq_len} tokens (data.too_long={self.too_long}); raise "
+                            f"data.seq_len or set data.too_long=truncate")
+        self.train_rows_packed = [[int(train_ids[j]) for j in row]
+                                  for row in best_fit(train_conv.lengths[train_ids], self.seq_len)]
+        held_rows = [[int(held_ids[j]) for j in row]
+                     for row in best_fit(held_conv.lengths[held_ids], self.seq_len)]
+        self.train_conversations, self.heldout_conversations = int(train_ids.size), int(held_ids.size)
+        self.train_tokens = int(train_conv.lengths[train_ids].sum())
+        self.trained_tokens = int(sum(train_conv.one(int(i))[1][1:].sum() for i in train_ids))
+        self.shuffle_seed = int(d.shuffle_seed)
+        self._train_rows = ChatRows(train_conv, self.train_rows_packed, self.seq_len, self.eos_id,
+                                    self.shuffle_seed)
+        self._heldout_rows = ChatRows(held_conv, held_rows, self.seq_len, self.eos_id, None)
+        plan = hashlib.sha256(json.dumps(self.train_rows_packed).encode()).hexdigest()[:16]
+        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
+                    "documents": self.train_conversations, "shuffle_seed": self.shuffle_seed,
+                    "data_plan": plan}
+        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
+                                   int(d.prefetch), identity)
+
+    def conversations(self, first_row: int, count: int, heldout: bool = False) -> list[list[int]]:
+        """Which conversations (their index among those read, in read order) global rows
+        ``first_row ..`` hold, row by row: what a batch trains on."""
+        rows, origin = ((self._heldout_rows, self._held_origin) if heldout else
+                        (self._train_rows, self._train_origin))
+        return [[int(origin[i]) for i in row] for row in rows.conversations(first_row, count)]
+
+    # -- facts for logs --------------------------------------------------------------------
+    @property
+    def tokens_per_epoch(self) -> int:
+        return self.train_tokens
+
+    @property
+    def shapes_epoch(self) -> bool:
+        return True
+
+    def _passed_over(self) -> str:
+        t, said = self.tally, []
+        if t.bad:
+            said.append(f"{t.bad} not conversations (first: {t.first_bad})")
+        if t.empty:
+            said.append(f"{t.empty} with nothing to train under data.train_on={self.train_on} "
+                        f"(first: {t.first_empty})")
+        return "; ".join(said)
+
+    def plan_line(self) -> str:
+        """The startup line: conversations read and passed over, rows, the trained fraction."""
+        t = self.tally
+        rows = self.rows_per_epoch
+        said = [f"data: chat, {t.read} records read from {self.source.description}, "
+                f"{self.conversations_read} conversations"]
+        passed = self._passed_over()
+        if passed:
+            said.append("passed over: " + passed)
+        if t.too_long:
+            cut = (f", {t.cut_to_nothing} of them then with nothing to train: dropped"
+                   if t.cut_to_nothing else "")
+            said.append(f"{t.too_long} training conversation(s) longer than {self.seq_len} "
+                        f"tokens {'dropped' if self.too_long == 'drop' else 'truncated'} "
+                        f"(data.too_long={self.too_long}; first: {t.first_too_long}){cut}")
+        said.append(f"{self.train_conversations} train / {self.heldout_conversations} held out; "
+                    f"{rows} rows of {self.seq_len} ({self.train_tokens / (rows * self.seq_len):.0%} "
+                    f"filled); trained tokens {self.trained_tokens / (rows * self.seq_len):.1%} of "
+                    f"the rows (data.train_on={self.train_on}); chat template {self.template.where}"
+                    f"{'' if self.template.marked else ' (turn by turn: no generation marks)'}")
+        return "; ".join(said)
+
+
+def _limited(records, max_docs: int):
+    for n, item in enumerate(records):
+        if max_docs and n >= max_docs:
+            return
+        yield item

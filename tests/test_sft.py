@@ -1,0 +1,373 @@
+"""data/sft.py: the chat pipeline. Whole conversations packed into rows; the first step's loss is
+transformers' per-token assistant losses of each conversation run alone, summed over the
+total count; the same loss and gradients on one device, striped and zigzag rings of 8, usp and
+two microbatches; bad records counted and named, bad files one line."""
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import chat_templates as ct
+from configs import sft as sft_config
+from data import chat, sft
+from data.pipeline import make_pipeline
+from errors import DataError
+from parallel.mesh import make_mesh
+from scripts import convert_hf
+from training.state import Trainer
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+         "rho sigma tau upsilon phi chi psi omega 12 345 naïve café code(): return x + 1").split()
+SEQ = 256
+
+
+def say(rng, lo=1, hi=7):
+    return " ".join(rng.choice(WORDS, int(rng.integers(lo, hi))))
+
+
+def conversation(rng):
+    turns = int(rng.integers(1, 3))
+    out = [{"role": "system", "content": say(rng)}] if rng.random() < 0.3 else []
+    for _ in range(turns):
+        out += [{"role": "user", "content": say(rng)}, {"role": "assistant", "content": say(rng)}]
+    return {"messages": out}
+
+
+def write_jsonl(path: pathlib.Path, records) -> pathlib.Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """(an imported random Llama with a ChatML tokenizer whose template marks the assistant's
+    tokens, transformers' model in float64 and tokenizer, the conversations' file, records)."""
+    rng = np.random.default_rng(42)
+    root = tmp_path_factory.mktemp("chat")
+    hf_dir = root / "hf"
+    tok = ct.write_tokenizer_dir("marked", hf_dir)
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=SEQ, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      eos_token_id=tok.token_to_id("<|im_end|>"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(hf_dir)
+    run = root / "run"
+    assert convert_hf.main(["import", "--hf", str(hf_dir), "--out", str(run)]) == 0
+    records = [conversation(rng) for _ in range(40)]
+    data = write_jsonl(root / "chats.jsonl", records)
+    return run, model.double().eval(), AutoTokenizer.from_pretrained(str(hf_dir)), data, records
+
+
+def config(chat_run, tmp_path, mesh=None, **data):
+    run, _, _, path, _ = chat_run
+    c = sft_config.get_config(str(run))
+    c.data.update({"path": str(path), "seq_len": SEQ, "batch_size": 4, "heldout_fraction": 0.1,
+                   "prefetch": 0, "cache_dir": str(tmp_path / "cache"), **data})
+    c.model.update(dtype="float32", remat="none")
+    c.attention.update(block_q=16, block_kv=16)
+    c.mesh.update(mesh or {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1})
+    c.train.update(loss_chunk=0, warmup_steps=0)
+    return c
+
+
+def pipeline(c, devices=None):
+    mesh = make_mesh(c.mesh, devices or jax.devices()[:1])
+    return make_pipeline(c, mesh), mesh
+
+
+# -- packing ----------------------------------------------------------------------------------
+def test_best_fit_packs_every_item_whole_once(rng):
+    """Every item in exactly one row, no row over capacity, and within best-fit decreasing's
+    guarantee of 11/9 of the fewest rows possible (+ 6/9), measured against a lower bound on
+    them (the total over the capacity; the items of more than half a row, one row each)."""
+    for spread in (100, 50, 20):
+        lengths = rng.integers(1, spread, 300)
+        rows = sft.best_fit(lengths, 100)
+        assert sorted(i for r in rows for i in r) == list(range(300))
+        assert max(lengths[r].sum() for r in rows) <= 100
+        fewest = max(int(np.ceil(lengths.sum() / 100)), int((lengths > 50).sum()))
+        assert len(rows) <= 11 / 9 * fewest + 6 / 9
+        assert sft.best_fit(lengths, 100) == rows  # deterministic
+    # the fullest row that fits, not the first: with rooms 2 and 1 left, the item of 1 goes to
+    # the second row (first fit would put it in the first)
+    assert sft.best_fit(np.array([1, 3, 6, 8]), 10) == [[3], [2, 1, 0]]
+    with pytest.raises(ValueError):
+        sft.best_fit(np.array([101]), 100)
+
+
+def test_rows_hold_conversations_whole_with_their_own_positions_labels_and_mask(rng):
+    lengths = [5, 3, 7]
+    ids = [rng.integers(10, 99, n).astype(np.int32) for n in lengths]
+    trained = [rng.random(n) < 0.5 for n in lengths]
+    conv = sft.Conversations(np.concatenate(ids), np.concatenate(trained),
+                             np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    got = sft.row_arrays(conv, [[2, 0], [1]], 12, pad_id=1)
+    assert got["tokens"][0].tolist() == ids[2].tolist() + ids[0].tolist()
+    assert got["segment_ids"][0].tolist() == [1] * 7 + [2] * 5
+    assert got["positions"][0].tolist() == list(range(7)) + list(range(5))
+    # labels: the next token of the same conversation; a conversation's last token has none
+    assert got["labels"][0, :6].tolist() == ids[2][1:].tolist()
+    assert got["loss_mask"][0].tolist() == (trained[2][1:].tolist() + [0] +
+                                            trained[0][1:].tolist() + [0])
+    assert got["tokens"][1].tolist() == ids[1].tolist() + [1] * 9  # padding
+    assert got["segment_ids"][1].tolist() == [1] * 3 + [0] * 9
+    assert got["positions"][1].tolist() == [0, 1, 2] + list(range(9))
+    assert got["loss_mask"][1, 2:].sum() == 0
+
+
+# -- the loss ---------------------------------------------------------------------------------
+def test_the_first_step_loss_is_transformers_assistant_losses_over_the_total_count(
+        chat_run, tmp_path):
+    """Each conversation of the first batch run alone through transformers (float64): the sum of
+    its per-token losses where return_assistant_tokens_mask marks the label, summed over the
+    conversations, over their total count, is our step's loss. So packing order, neighbours
+    and padding cannot change it."""
+    _, theirs, hf_tok, _, records = chat_run
+    c = config(chat_run, tmp_path)
+    pipe, mesh = pipeline(c)
+    trainer = Trainer(c, mesh)
+    from checkpoints.rundir import open_run
+    params = open_run(chat_run[0]).restore_params(trainer.abstract_state.params).params
+    rows = pipe.conversations(0, c.data.batch_size)
+    assert sum(map(len, rows)) > c.data.batch_size  # rows hold several conversations
+    total, count = 0.0, 0
+    for i in (i for row in rows for i in row):
+        out = hf_tok.apply_chat_template(records[i]["messages"], tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=True)
+        ids, mask = np.array(out["input_ids"]), np.array(out["assistant_masks"])
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs(torch.tensor(ids[None])).logits[0], -1).numpy()
+        picked = -logp[np.arange(len(ids) - 1), ids[1:]]
+        total += float((picked * mask[1:]).sum())
+        count += int(mask[1:].sum())
+    loss, n = jax.jit(trainer.loss)(params, pipe.device_batch(0))
+    assert int(n) == count
+    assert abs(float(loss) - total / count) < 2e-5 * total / count
+    pipe.close()
+
+
+MESHES = [  # (impl, layout, mesh, microbatches)
+    ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
+    ("ring", "zigzag", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
+    ("usp", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
+    ("ring", "contiguous", {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def one_device(chat_run, tmp_path_factory):
+    return step_of(chat_run, tmp_path_factory.mktemp("one"), "dense", "contiguous", None, 1)
+
+
+def step_of(chat_run, tmp_path, impl, layout, mesh, microbatches):
+    """(loss, trained-token count, gradient norm, gradients) of the first step's batch."""
+    c = config(chat_run, tmp_path, mesh)
+    c.attention.update(impl=impl, layout=layout, ulysses=2)
+    c.train.microbatches = microbatches
+    pipe, m = pipeline(c, jax.devices()[:8] if mesh else None)
+    trainer = Trainer(c, m)
+    from checkpoints.rundir import open_run
+    params = open_run(chat_run[0]).restore_params(trainer.abstract_state.params).params
+    loss, count, grads = jax.jit(trainer.gradients)(params, pipe.device_batch(0))
+    pipe.close()
+    grads = jax.device_get(grads)
+    norm = float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads))))
+    return float(loss), int(count), norm, grads
+
+
+@pytest.mark.parametrize("impl,layout,mesh,microbatches", MESHES,
+                         ids=[f"{i}-{lay}-{'x'.join(map(str, m.values()))}-mb{k}"
+                              for i, lay, m, k in MESHES])
+def test_the_same_step_on_any_mesh_layout_strategy_and_microbatching(
+        chat_run, one_device, tmp_path, impl, layout, mesh, microbatches):
+    loss, count, norm, grads = step_of(chat_run, tmp_path, impl, layout, mesh, microbatches)
+    want_loss, want_count, want_norm, want_grads = one_device
+    assert count == want_count
+    assert abs(loss - want_loss) < 1e-5 * want_loss
+    assert abs(norm - want_norm) < 1e-5 * want_norm
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+# -- what is read, and what is passed over ----------------------------------------------------
+def test_bad_records_are_counted_and_the_first_named(chat_run, tmp_path):
+    rng = np.random.default_rng(7)
+    good = [conversation(rng) for _ in range(12)]
+    sharegpt = {"conversations": [{"from": "human", "value": "hello there"},
+                                  {"from": "gpt", "value": "general kenobi"}]}
+    bad = [{"messages": "not a list"},
+           {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
+           {"messages": [{"role": "user", "content": "no answer"}]},
+           {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},
+           {"text": "a document, not a conversation"}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", good[:6] + bad + [sharegpt] + good[6:])
+    pipe, _ = pipeline(config(chat_run, tmp_path, path=str(path)))
+    assert (pipe.tally.read, pipe.tally.bad, pipe.conversations_read) == (18, 5, 13)
+    line = pipe.plan_line()
+    assert "data: chat, 18 records read" in line and "13 conversations" in line
+    assert f"5 not conversations (first: {path} line 7: 'messages' is str, not a list" in line
+    assert "\n" not in line
+    pipe.close()
+    assert chat.messages_of(sharegpt) == [{"role": "user", "content": "hello there"},
+                                          {"role": "assistant", "content": "general kenobi"}]
+    for record, why in zip(bad[1:], ("role 'wizard'", "no assistant turn", "content is int",
+                                      "no messages")):
+        with pytest.raises(chat.BadConversation, match=why):
+            chat.messages_of(record)
+
+
+def test_a_file_with_no_conversation_and_a_torn_line_are_one_line(chat_run, tmp_path):
+    path = write_jsonl(tmp_path / "none.jsonl", [{"text": "x"}, {"messages": []}])
+    with pytest.raises(DataError, match=r"no conversation to train in jsonl file .*none.jsonl: "
+                                        r"2 not conversations \(first: .* line 1: no messages") as e:
+        pipeline(config(chat_run, tmp_path, path=str(path)))
+    assert "\n" not in str(e.value)
+    rng = np.random.default_rng(3)
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text(json.dumps(conversation(rng)) + "\n{\"messages\": [\n" +
+                    "".join(json.dumps(conversation(rng)) + "\n" for _ in range(10)))
+    with pytest.raises(DataError, match=r"torn.jsonl line 2: not JSON .*data.bad_records=skip"):
+        pipeline(config(chat_run, tmp_path, path=str(torn)))
+    pipe, _ = pipeline(config(chat_run, tmp_path, path=str(torn), bad_records="skip"))
+    assert pipe.conversations_read == 11 and "left out 1 record(s) that are not JSON" in \
+        pipe.bad_records_line()
+    pipe.close()
+
+
+def test_nothing_to_train_is_reported_never_trained(chat_run, tmp_path):
+    """A template that writes no assistant text leaves every conversation with an empty mask:
+    one line that says so, rather than a run that trains nothing."""
+    silent = tmp_path / "silent.jinja"
+    silent.write_text("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}"
+                      "{% endif %}{% endfor %}")
+    with pytest.raises(DataError, match=r"40 with nothing to train under data.train_on="
+                                        r"assistant \(first: .*chats.jsonl line 1\)"):
+        pipeline(config(chat_run, tmp_path, chat_template=str(silent)))
+
+
+def test_too_long_conversations_are_dropped_or_truncated_and_counted(chat_run, tmp_path):
+    rng = np.random.default_rng(11)
+    short = [{"messages": [{"role": "user", "content": say(rng, 1, 4)},
+                           {"role": "assistant", "content": say(rng, 1, 6)}]} for _ in range(30)]
+    long = {"messages": [{"role": "user", "content": say(rng, 5, 6)},  # the answer is cut
+                         {"role": "assistant", "content": say(rng, 150, 151)}]}
+    asks = {"messages": [{"role": "user", "content": say(rng, 200, 201)},  # nothing left to train
+                         {"role": "assistant", "content": say(rng, 3, 4)}]}
+    records = short + [long] * 3 + [asks] * 3
+    path = write_jsonl(tmp_path / "long.jsonl", records)
+    dropped, _ = pipeline(config(chat_run, tmp_path, path=str(path), heldout_fraction=0.05))
+    cut, _ = pipeline(config(chat_run, tmp_path, path=str(path), heldout_fraction=0.05,
+                             too_long="truncate"))
+    held = set(i for row in cut.conversations(0, cut._heldout_rows.rows_per_pass, heldout=True)
+               for i in row)
+    n_long = sum(1 for i in range(30, 36) if i not in held)
+    n_asks = sum(1 for i in range(33, 36) if i not in held)
+    assert dropped.tally.too_long == cut.tally.too_long == n_long
+    assert cut.tally.cut_to_nothing == n_asks > 0
+    assert "dropped (data.too_long=drop" in dropped.plan_line()
+    assert (f"truncated (data.too_long=truncate; first: conversation 30 (" in cut.plan_line() and
+            f"{n_asks} of them then with nothing to train: dropped" in cut.plan_line())
+    assert cut.train_conversations == dropped.train_conversations + n_long - n_asks
+    # a truncated conversation keeps its first SEQ tokens and their mask
+    full = sft.tokenize([("x", long)], cut.template, cut.tokenizer, "assistant")
+    ids, trained = full.one(0)
+    assert ids.size > SEQ
+    rows = cut.conversations(0, cut.rows_per_epoch)
+    r = next(k for k, row in enumerate(rows) if any(30 <= i < 33 for i in row))
+    got = cut._train_rows.rows(r, 1)
+    k = rows[r].index(next(i for i in rows[r] if 30 <= i < 33)) + 1
+    at = got["segment_ids"][0] == k
+    assert got["tokens"][0][at].tolist() == ids[:SEQ].tolist()
+    assert got["loss_mask"][0][at].tolist() == trained[1:SEQ].tolist() + [0]
+    dropped.close()
+    cut.close()
+
+
+def test_an_hf_dataset_on_disk_reads_as_the_jsonl_does(chat_run, tmp_path):
+    import datasets
+    records = chat_run[4]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    from_disk, _ = pipeline(config(chat_run, tmp_path, source="hf", path=str(tmp_path / "ds")))
+    from_file, _ = pipeline(config(chat_run, tmp_path))
+    a, b = from_disk.host_batch(0), from_file.host_batch(0)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    from_disk.close()
+    from_file.close()
+
+
+# -- a whole run: train, resume, generate, export ---------------------------------------------
+def sft_run(chat_run, workdir, *flags):
+    """train.py's entry after ``--config configs/sft.py:RUN --config.a.b=v ...``, in process."""
+    import trained_run as tr
+    from configs.loading import load
+    config = load(f"configs/sft.py:{chat_run[0]}", [
+        f"data.path={chat_run[3]}", f"data.seq_len={SEQ}", "data.batch_size=4",
+        "data.heldout_fraction=0.1", f"data.cache_dir={workdir.parent / 'cache'}",
+        "model.dtype=float32", "attention.block_q=16", "attention.block_kv=16",
+        "train.steps=4", "train.lr=3e-3", "train.warmup_steps=0", "train.log_every=1",
+        "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2", *flags])
+    return tr.entry_of(config, workdir)
+
+
+def test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports(chat_run, tmp_path):
+    import trained_run as tr
+    whole = tmp_path / "whole"
+    done = sft_run(chat_run, whole)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "data: chat, 40 records read" in out and "36 train / 4 held out" in out
+    assert "(turn by turn" not in out  # the marked template's own marks
+    metrics = tr.metrics(whole)
+    assert sorted(metrics) == [1, 2, 3, 4] and all(m["trained_tokens"] > 0 for m in metrics.values())
+    evals = tr.evals(whole)
+    assert evals[4]["eval_loss"] < evals[0]["eval_loss"]  # the held-out assistant tokens
+    assert (whole / "chat_template.jinja").read_text() == ct.MARKED
+    # as if stopped after step 2's checkpoint, then resumed: the same losses to the last bit
+    import shutil
+    half = tmp_path / "half"
+    shutil.copytree(whole, half)
+    shutil.rmtree(half / "checkpoints" / "4")
+    resumed = sft_run(chat_run, half)
+    assert resumed.returncode == 0 and "resuming from step 2" in resumed.stdout
+    assert [tr.metrics(half)[s]["loss"] for s in (3, 4)] == [metrics[s]["loss"] for s in (3, 4)]
+    # the export carries the run's template: transformers renders a chat as we do
+    assert convert_hf.main(["export", "--run", str(whole), "--out", str(tmp_path / "hf_out"),
+                            "--dtype", "float32"]) == 0
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf_out"))
+    messages = chat_run[4][0]["messages"]
+    assert exported.apply_chat_template(messages, tokenize=False) == \
+        chat_run[2].apply_chat_template(messages, tokenize=False)
+
+
+def test_generate_chat_gives_transformers_greedy_reply(chat_run, capsys):
+    """generate.py --chat on the import: the prompt rendered with the generation prompt, the
+    reply transformers' greedy continuation of apply_chat_template(add_generation_prompt=True),
+    ending at the end of turn."""
+    from scripts import generate
+    run, theirs, hf_tok, _, _ = chat_run
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "alpha beta gamma?"}]
+    ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=hf_tok.convert_tokens_to_ids("<|im_end|>"),
+                               pad_token_id=0)[0, len(ids):].tolist()
+    want = want[:want.index(hf_tok.convert_tokens_to_ids("<|im_end|>"))] if \
+        hf_tok.convert_tokens_to_ids("<|im_end|>") in want else want
+    code = generate.main(["--run", str(run), "--chat", "--system", "Be brief.", "--prompt",
+                          "alpha beta gamma?", "--max-new-tokens", "12", "--json"])
+    assert code == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["ids"] == want
+    assert generate.main(["--run", str(run), "--system", "x", "--prompt", "y"]) == 2
+    assert "--system is a chat's system message: give --chat too" in capsys.readouterr().err
