@@ -11,6 +11,12 @@ Two things differ from an HF checkpoint and are undone here:
   rules this module knows are in ``PRE_TOKENIZERS``; another name is refused, since a wrong
   split gives other ids silently. ``smollm`` splits each digit off first, as SmolLM's own
   tokenizer.json does (transformers' GGUF tokenizer does not: its ids differ on digits).
+  ``llama-bpe`` takes a word found whole in the vocabulary as one token and begins with BOS
+  unless the file says otherwise, as llama.cpp and Meta's tokenizer.json do (transformers'
+  GGUF tokenizer does neither).
+
+The RoPE scaling is read as llama.cpp reads it: a factor without a type is linear scaling
+(transformers' GGUF loader ignores the scaling of a llama file altogether).
 """
 from __future__ import annotations
 
@@ -138,19 +144,46 @@ class GGUFFile:
             "eos_token_id": self._get("tokenizer.ggml.eos_token_id"),
             "torch_dtype": "float32",
         }
-        kind = self._arch("rope.scaling.type")
-        if kind not in (None, "none"):
-            factor = float(self._arch("rope.scaling.factor", 1.0))
-            original = self._arch("rope.scaling.original_context_length")
-            if kind == "linear":
-                cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-            elif kind == "yarn":
-                cfg["rope_scaling"] = {"rope_type": "yarn", "factor": factor,
-                                       "original_max_position_embeddings": int(original)}
-            else:
-                raise ConversionError(f"--gguf {self.path}: rope scaling {kind!r} does not "
-                                      f"convert; linear and yarn do")
+        scaling = self._rope_scaling(cfg["max_position_embeddings"])
+        if scaling:
+            cfg["rope_scaling"] = scaling
         return cfg
+
+    def _rope_scaling(self, context: int) -> dict | None:
+        """The RoPE scaling as llama.cpp reads it (src/llama-model.cpp ``load_hparams``, the
+        ``llama_context`` constructor in src/llama-context.cpp): the type defaults to linear, the
+        factor is ``rope.scaling.factor`` or else the older ``rope.scale_linear`` (0 or absent:
+        unscaled), type ``none`` never scales, and YaRN's original context defaults to the
+        training context. A file that states only a factor is a linear one, so reading the
+        type alone would import it unscaled: wrong logits at every position.
+
+        transformers' GGUF loader (modeling_gguf_pytorch_utils.load_gguf_checkpoint) reads no
+        rope.scaling key for a llama file (only for gpt-oss), so it loads every scaled llama
+        GGUF unscaled; llama.cpp is the reference here. The yarn_beta_* / yarn_ext_factor
+        keys are not read for the llama architecture by llama.cpp either (its defaults 32, 1
+        and full ramp are transformers' yarn defaults, and its net cos/sin scale is their
+        0.1 ln(factor) + 1), so they are not read here."""
+        where = f"--gguf {self.path}: {self.arch}.rope"
+        kind = self._arch("rope.scaling.type", "linear")
+        key = "scaling.factor" if self._arch("rope.scaling.factor") is not None else "scale_linear"
+        factor = float(self._arch(f"rope.{key}") or 0.0)
+        attn = float(self._arch("rope.scaling.attn_factor", 1.0))
+        if kind not in ("none", "linear", "yarn"):
+            raise ConversionError(f"{where}.scaling.type={kind!r} does not convert; none, "
+                                  f"linear and yarn do")
+        if attn != 1.0:  # llama.cpp multiplies every rotation by it; no HF field says that
+            raise ConversionError(f"{where}.scaling.attn_factor={attn:g} does not convert; "
+                                  f"only 1 (or no such key) does")
+        if kind == "none" or factor in (0.0, 1.0):
+            return None
+        if factor < 1.0:
+            raise ConversionError(f"{where}.{key}={factor:g} does not convert; a factor >= 1 "
+                                  f"does (0 or no such key: unscaled)")
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": factor}
+        original = int(self._arch("rope.scaling.original_context_length", 0) or 0)
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": original or context}
 
     # -- tokenizer ---------------------------------------------------------------------------
     def tokenizer(self):
@@ -167,8 +200,11 @@ class GGUFFile:
         tokens = list(self._get("tokenizer.ggml.tokens"))
         types = list(self._get("tokenizer.ggml.token_type") or [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in self._get("tokenizer.ggml.merges") or []]
+        # llama.cpp's llama-bpe takes a piece found whole in the vocabulary as one token before
+        # any merge (llama-vocab.cpp: ignore_merges), as Meta's tokenizer.json does; smollm not
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                   fuse_unk=False, byte_fallback=False))
+                                   fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre == "llama-bpe"))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre == "smollm")
         if pre == "smollm":  # llama.cpp: "\p{N}" first, then GPT-2's regex
             split = pre_tokenizers.Digits(individual_digits=True)
@@ -183,13 +219,28 @@ class GGUFFile:
         tok.add_special_tokens(special)
         if user:
             tok.add_tokens(user)
-        if self._get("tokenizer.ggml.add_bos_token"):
+        if self._add_bos():
             from tokenizers import processors
-            bos = tokens[int(self._get("tokenizer.ggml.bos_token_id"))]
+            bos_id = self._get("tokenizer.ggml.bos_token_id")
+            if bos_id is None or not 0 <= int(bos_id) < len(tokens):
+                raise ConversionError(
+                    f"--gguf {self.path}: its texts begin with BOS (tokenizer.ggml.add_bos_token"
+                    f", or pre-tokenizer {pre}'s default) but tokenizer.ggml.bos_token_id is "
+                    f"{'missing' if bos_id is None else bos_id}; a token id below {len(tokens)} "
+                    f"is needed")
+            bos = tokens[int(bos_id)]
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                special_tokens=[(bos, tokens.index(bos))])
+                special_tokens=[(bos, int(bos_id))])
         return tok
+
+    def _add_bos(self) -> bool:
+        """Whether a text's ids begin with BOS: the file's tokenizer.ggml.add_bos_token, else
+        llama.cpp's default for the pre-tokenizer (llama-vocab.cpp: llama-bpe adds it, smollm
+        does not). transformers' GGUF tokenizer defaults to BOS only for a sentencepiece file,
+        so it adds none to a llama-bpe file without the key; llama.cpp is the reference."""
+        add = self._get("tokenizer.ggml.add_bos_token")
+        return bool(add) if add is not None else self._get("tokenizer.ggml.pre") == "llama-bpe"
 
     def side_files(self) -> dict[str, dict]:
         """The HF side files of the checkpoint (json contents by file name): its config,
@@ -203,7 +254,7 @@ class GGUFFile:
                    "bos_token": name("tokenizer.ggml.bos_token_id"),
                    "eos_token": name("tokenizer.ggml.eos_token_id"),
                    "pad_token": name("tokenizer.ggml.padding_token_id"),
-                   "add_bos_token": bool(self._get("tokenizer.ggml.add_bos_token", False)),
+                   "add_bos_token": self._add_bos(),
                    "model_max_length": self.config["max_position_embeddings"]}
         template = self._get("tokenizer.chat_template")
         if template:

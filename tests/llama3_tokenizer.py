@@ -22,15 +22,25 @@ TOKENIZER_CONFIG = {"bos_token": BOS, "eos_token": EOS, "clean_up_tokenization_s
                     "tokenizer_class": "PreTrainedTokenizerFast"}
 
 
-def build(docs, bpe_vocab: int) -> Tokenizer:
-    """Trained on ``docs`` to ``bpe_vocab`` BPE tokens, then the 16 special tokens."""
+def build(docs, bpe_vocab: int, whole=()) -> Tokenizer:
+    """Trained on ``docs`` to ``bpe_vocab`` BPE tokens, then the pieces in ``whole`` (each one
+    piece of the split, e.g. " word") as tokens of their own that no merge builds (Meta's
+    vocabulary has such tokens: ignore_merges is what makes them one token), then the 16 special
+    tokens."""
     tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
+                                          use_regex=False)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated", invert=False), byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(docs, trainers.BpeTrainer(
         vocab_size=bpe_vocab, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if whole:
+        spec = json.loads(tok.to_str())
+        vocab = spec["model"]["vocab"]
+        for piece in whole:
+            vocab.setdefault(byte_level.pre_tokenize_str(piece)[0][0], len(vocab))
+        tok = Tokenizer.from_str(json.dumps(spec))
     tok.add_special_tokens(SPECIALS)
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),

@@ -1,7 +1,8 @@
 """hf/gguf_file.py and ``convert_hf.py import --gguf``: a small random Llama written as llama.cpp
 writes GGUF (q/k rows permuted for its rotary kernel, quantized linears, float32 norms, the
 tokenizer as tokens, merges and types) imports to transformers' own GGUF loader's logits and
-greedy tokens; bad files stop in one line."""
+greedy tokens; RoPE scaling and the Llama 3 tokenizer are read as llama.cpp reads them; bad files
+stop in one line."""
 import json
 
 import gguf
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from checkpoints.rundir import open_run
@@ -16,7 +18,10 @@ from data.tokenizer import EOS
 from errors import ConversionError
 from hf.gguf_file import GGUFFile, permute, unpermute
 from scripts import convert_hf
-from test_hf_convert import assert_greedy_tokens_match, hf_model, our_logits, relative
+from test_hf_convert import (ORIGINAL, assert_greedy_tokens_match, hf_logits, hf_model,
+                             our_logits, relative)
+
+import llama3_tokenizer
 
 # the linears' types, dealt over the tensors in turn: every type a small file can hold
 LINEAR_TYPES = (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16, Q.F32)
@@ -27,42 +32,81 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 
 
-def write_gguf(model, tok, path, *, arch="llama", pre="smollm", corrupt_type=None):
-    """``model`` (an HF LlamaForCausalLM) and ``tok`` (its tokenizers.Tokenizer) as llama.cpp's
-    convert_hf_to_gguf.py writes them."""
-    c = model.config
+def llama_cpp_permute(weights, n_head, n_head_kv=None):
+    """convert_hf_to_gguf.py's ``LlamaModel.permute``, as written there: q goes through it with
+    (n_head, n_head), k with (n_head, n_head_kv)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def gguf_writer(path, arch, shape, tok, *, pre, bos, eos, add_bos, rope):
+    """A GGUFWriter holding the metadata convert_hf_to_gguf.py writes: ``shape`` the model's
+    sizes, ``tok`` (a tokenizers.Tokenizer) as tokens (its added tokens included, by id), merges
+    and types, ``add_bos`` None for no tokenizer.ggml.add_bos_token key, ``rope`` extra
+    ``{arch}.KEY: value`` entries (str, int or float, as llama.cpp types them)."""
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-    w.add_vocab_size(c.vocab_size)
+    w.add_block_count(shape["layers"])
+    w.add_context_length(shape["context"])
+    w.add_embedding_length(shape["hidden"])
+    w.add_feed_forward_length(shape["ffn"])
+    w.add_head_count(shape["heads"])
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_rope_freq_base(shape["theta"])
+    w.add_layer_norm_rms_eps(shape["eps"])
+    w.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    w.add_vocab_size(shape["vocab"])
+    for key, value in (rope or {}).items():
+        add = (w.add_string if isinstance(value, str) else
+               w.add_uint32 if isinstance(value, int) else w.add_float32)
+        add(f"{arch}.{key}", value)
     spec = json.loads(tok.to_str())
-    vocab = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
+    ids = {**spec["model"]["vocab"], **{a["content"]: a["id"] for a in spec["added_tokens"]}}
+    tokens = sorted(ids, key=ids.get)
+    assert [ids[t] for t in tokens] == list(range(len(tokens)))
     special = {a["content"] for a in spec["added_tokens"] if a["special"]}
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    w.add_bos_token_id(tok.token_to_id(EOS))
-    w.add_eos_token_id(tok.token_to_id(EOS))
-    w.add_add_bos_token(False)
+    if bos is not None:
+        w.add_bos_token_id(tok.token_to_id(bos))
+    w.add_eos_token_id(tok.token_to_id(eos))
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
-    kinds = iter(LINEAR_TYPES * 8)
+    return w
+
+
+def finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gguf(model, tok, path, *, arch="llama", pre="smollm", corrupt_type=None, rope=None,
+               exact=False, context=None):
+    """``model`` (an HF LlamaForCausalLM) and ``tok`` (its tokenizers.Tokenizer) as llama.cpp's
+    convert_hf_to_gguf.py writes them; ``exact``: every tensor F32; ``context``: the
+    context_length written (the model's max_position_embeddings by default)."""
+    c = model.config
+    shape = dict(layers=c.num_hidden_layers, context=context or c.max_position_embeddings,
+                 hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
+                 kv_heads=c.num_key_value_heads, theta=c.rope_parameters["rope_theta"],
+                 eps=c.rms_norm_eps, vocab=c.vocab_size)
+    w = gguf_writer(path, arch, shape, tok, pre=pre, bos=EOS, eos=EOS, add_bos=False, rope=rope)
+    kinds = iter((Q.F32,) * 64 if exact else LINEAR_TYPES * 8)
     for name, p in model.state_dict().items():
         a = p.detach().float().numpy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if name == "model.embed_tokens.weight":
-            out, kind = "token_embd.weight", Q.Q8_0
+            out, kind = "token_embd.weight", Q.F32 if exact else Q.Q8_0
         elif name == "lm_head.weight":
-            out, kind = "output.weight", Q.Q8_0
+            out, kind = "output.weight", Q.F32 if exact else Q.Q8_0
         elif name == "model.norm.weight":
             out, kind = "output_norm.weight", Q.F32
         else:
@@ -70,9 +114,9 @@ def write_gguf(model, tok, path, *, arch="llama", pre="smollm", corrupt_type=Non
             out = f"blk.{layer}.{NAMES[rest.rsplit('.', 1)[0]]}.weight"
             kind = Q.F32 if a.ndim == 1 else next(kinds)
             if rest.startswith("self_attn.q_proj"):
-                a = permute(a, c.num_attention_heads)
+                a = llama_cpp_permute(a, c.num_attention_heads, c.num_attention_heads)
             elif rest.startswith("self_attn.k_proj"):
-                a = permute(a, c.num_key_value_heads)
+                a = llama_cpp_permute(a, c.num_attention_heads, c.num_key_value_heads)
         if corrupt_type is not None and out == "blk.0.ffn_up.weight":
             kind = corrupt_type
         if kind == corrupt_type:  # bytes of a type this converter does not read
@@ -82,10 +126,18 @@ def write_gguf(model, tok, path, *, arch="llama", pre="smollm", corrupt_type=Non
         else:
             data = gguf.quants.quantize(a, kind)
         w.add_tensor(out, data, raw_shape=data.shape, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
+    return path
+
+
+def write_meta_gguf(path, tok, *, pre="llama-bpe", add_bos=None, rope=None, context=64,
+                    bos=llama3_tokenizer.BOS, eos=llama3_tokenizer.EOS):
+    """A GGUF file of metadata alone (a small llama's sizes, the tokenizer, ``rope`` keys): what
+    GGUFFile reads for its config and tokenizer, and transformers for its tokenizer."""
+    shape = dict(layers=2, context=context, hidden=64, ffn=96, heads=4, kv_heads=2,
+                 theta=10000.0, eps=1e-5, vocab=tok.get_vocab_size())
+    finish(gguf_writer(path, "llama", shape, tok, pre=pre, bos=bos, eos=eos, add_bos=add_bos,
+                       rope=rope))
     return path
 
 
@@ -95,16 +147,32 @@ def tiny_gguf(tmp_path_factory):
     rng = np.random.default_rng(int.from_bytes(b"gguf", "little"))
     d = tmp_path_factory.mktemp("gguf")
     model = hf_model(rng, d / "hf", tied=True, kv_heads=2)
-    from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(d / "hf" / "tokenizer.json"))
     return write_gguf(model, tok, d / "tiny.gguf"), tok
 
 
-def test_unpermute_inverts_llama_cpps_rotary_order(rng):
-    for heads, rows_per_head in ((9, 64), (3, 64), (4, 16)):
-        w = rng.normal(size=(heads * rows_per_head, 40))
-        assert np.array_equal(unpermute(permute(w, heads), heads), w)
-        assert not np.array_equal(permute(w, heads), w)  # the order does change
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 16), (9, 3, 64), (6, 1, 12),
+                                                     (4, 4, 8)])
+def test_unpermute_undoes_llama_cpps_permute(rng, heads, kv_heads, head_dim):
+    """GQA shapes: q permuted with n_head, k with n_head_kv, by convert_hf_to_gguf.py's own
+    definition, come back in HF's order; and in each GGUF head, rows 2i and 2i+1 (the pair
+    ggml's rope rotates together) are the HF head's rows i and i + head_dim/2 (the pair HF's
+    rotate_half rotates together)."""
+    width = int(rng.integers(8, 48))
+    q = rng.normal(size=(heads * head_dim, width))
+    k = rng.normal(size=(kv_heads * head_dim, width))
+    gguf_q = llama_cpp_permute(q, heads, heads)
+    gguf_k = llama_cpp_permute(k, heads, kv_heads)
+    for w, g, n in ((q, gguf_q, heads), (k, gguf_k, kv_heads)):
+        np.testing.assert_array_equal(unpermute(g, n), w)
+        np.testing.assert_array_equal(permute(w, n), g)
+        half = head_dim // 2
+        for h in range(n):
+            np.testing.assert_array_equal(g[h * head_dim:(h + 1) * head_dim:2],
+                                          w[h * head_dim:h * head_dim + half])
+            np.testing.assert_array_equal(g[h * head_dim + 1:(h + 1) * head_dim:2],
+                                          w[h * head_dim + half:(h + 1) * head_dim])
+        assert not np.array_equal(g, w)  # the order does change
 
 
 def test_an_import_gives_transformers_logits_greedy_tokens_and_tokenizer(tiny_gguf, tmp_path,
@@ -143,12 +211,176 @@ def test_the_smollm_pre_tokenizer_splits_every_digit(tiny_gguf):
         "in", "Ġ", "2", "0", "2", "4", "Ġab", "1", "2"]
 
 
+UNICODE = ["naïve", "Größe", "日本語", "ünïcödé", "café", "🙂", "Ελληνικά", "x²", "Œuvre"]
+CODE = ["def f(x):\n    return x + 1", "if (a != b) { c++; }", "x = [1, 2, 3];", "a_b.c->d",
+        "don't", "I'LL", "we've", "#include <stdio.h>", "    ", "\t\t", "\n\n", " \r\n "]
+
+
+def varied_text(rng, words, whole=()):
+    """Words, numbers of 1 to 9 digits, unicode, code, whitespace runs, and ``whole`` words
+    with their leading space, in random order and spacing."""
+    kinds = [lambda: str(rng.choice(words)),
+             lambda: str(rng.integers(0, 10 ** int(rng.integers(1, 10)))),
+             lambda: str(rng.choice(UNICODE)), lambda: str(rng.choice(CODE)),
+             lambda: " " * int(rng.integers(2, 7))]
+    if whole:
+        kinds.append(lambda: " " + str(rng.choice(whole)))
+    return "".join(str(rng.choice(["", " ", " ", "\n"])) + kinds[rng.integers(len(kinds))]()
+                   for _ in range(int(rng.integers(40, 80))))
+
+
+def llama3_with_a_whole_word(rng):
+    """A Llama 3 tokenizer (llama3_tokenizer.build: Meta's split, byte-level BPE with
+    ignore_merges, <|begin_of_text|> first) trained on varied text, with one more word in its
+    vocabulary that no merge builds: ``(tokenizer, the tokenizer without ignore_merges, the
+    word, the training words)``."""
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9)))
+             for _ in range(300)]
+    word = "".join(rng.choice(list("qvwxzjk"), 7))  # not a training word: no merge builds it
+    words = [w for w in words if w != word]
+    tok = llama3_tokenizer.build([varied_text(rng, words) for _ in range(80)], 600,
+                                 whole=[" " + word])
+    spec = json.loads(tok.to_str())
+    spec["model"]["ignore_merges"] = False
+    merged = Tokenizer.from_str(json.dumps(spec))
+    assert len(merged.encode(" " + word, add_special_tokens=False).ids) > 1  # not by merges
+    return tok, merged, word, words
+
+
+def test_a_llama_bpe_file_tokenizes_as_llama_cpp(rng, tmp_path):
+    """llama.cpp's llama-bpe (src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_LLAMA3, ignore_merges,
+    add_bos when the file does not say): a word whole in the vocabulary is one token, and a file
+    without tokenizer.ggml.add_bos_token begins with <|begin_of_text|>, as Meta's tokenizer.json
+    tokenizes. transformers' GGUF tokenizer (integrations/gguf/gguf_tokenizer_mapping.py) does
+    neither: its BPE merges such a word into pieces and it adds BOS by default only to a
+    sentencepiece (tokenizer.ggml.model "llama") file; it is compared where it agrees."""
+    tok, _, word, words = llama3_with_a_whole_word(rng)
+    path = write_meta_gguf(tmp_path / "llama3.gguf", tok)  # no add_bos_token key
+    ours = GGUFFile(path).tokenizer()
+    bos = tok.token_to_id(llama3_tokenizer.BOS)
+    assert ours.encode(" " + word).ids == [bos, tok.token_to_id("Ġ" + word)]
+    for _ in range(4):
+        text = varied_text(rng, words, whole=[word])
+        assert ours.encode(text).ids == tok.encode(text).ids
+        assert ours.decode(ours.encode(text).ids) == text
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for _ in range(4):
+        text = varied_text(rng, words)  # no whole word that merges do not build
+        assert (ours.encode(text, add_special_tokens=False).ids
+                == theirs(text, add_special_tokens=False)["input_ids"]
+                == tok.encode(text, add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize("pre,add_bos", [("llama-bpe", None), ("llama-bpe", False),
+                                         ("llama-bpe", True), ("smollm", None),
+                                         ("smollm", True)])
+def test_bos_and_whole_words_follow_the_pre_tokenizer_as_in_llama_cpp(rng, tmp_path, pre,
+                                                                       add_bos):
+    """llama-vocab.cpp: llama-bpe sets ignore_merges and add_bos, smollm neither; a
+    tokenizer.ggml.add_bos_token key overrides add_bos either way. The run's
+    tokenizer_config.json says the same as the tokenizer."""
+    tok, merged, word, _ = llama3_with_a_whole_word(rng)
+    f = GGUFFile(write_meta_gguf(tmp_path / "f.gguf", tok, pre=pre, add_bos=add_bos))
+    bos = [tok.token_to_id(llama3_tokenizer.BOS)]
+    adds = pre == "llama-bpe" if add_bos is None else add_bos
+    pieces = ([tok.token_to_id("Ġ" + word)] if pre == "llama-bpe" else
+              merged.encode(" " + word, add_special_tokens=False).ids)
+    assert f.tokenizer().encode(" " + word).ids == bos * adds + pieces
+    assert f.side_files()["tokenizer_config.json"]["add_bos_token"] is adds
+
+
+def test_a_file_that_begins_with_bos_but_names_no_bos_stops_in_one_line(tmp_path, capsys):
+    tok = llama3_tokenizer.build(["ab cd ef"] * 4, 300)
+    path = write_meta_gguf(tmp_path / "f.gguf", tok, bos=None)  # llama-bpe: BOS by default
+    message = (f"tokenizer.ggml.bos_token_id is missing; a token id below {tok.get_vocab_size()} "
+               f"is needed")
+    with pytest.raises(ConversionError, match=message):
+        GGUFFile(path).tokenizer()
+    capsys.readouterr()
+    assert convert_hf.main(["import", "--gguf", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+# RoPE keys of a file -> the rope_scaling llama.cpp runs it with (src/llama-model.cpp
+# load_hparams: type "linear" unless given, rope.scaling.factor else the older rope.scale_linear,
+# 0 or none unscaled, YaRN's original context the training context unless given and non-zero;
+# src/llama-context.cpp: type "none" never scales). F: a random factor, G another, C the file's
+# context_length, O a random original context.
+ROPE_CASES = {
+    "factor, no type": ({"rope.scaling.factor": "F"}, {"rope_type": "linear", "factor": "F"}),
+    "rope.scale_linear": ({"rope.scale_linear": "F"}, {"rope_type": "linear", "factor": "F"}),
+    "both factor keys": ({"rope.scaling.factor": "F", "rope.scale_linear": "G"},
+                         {"rope_type": "linear", "factor": "F"}),
+    "linear": ({"rope.scaling.type": "linear", "rope.scaling.factor": "F"},
+               {"rope_type": "linear", "factor": "F"}),
+    "yarn, no original": ({"rope.scaling.type": "yarn", "rope.scaling.factor": "F"},
+                          {"rope_type": "yarn", "factor": "F",
+                           "original_max_position_embeddings": "C"}),
+    "yarn, original 0": ({"rope.scaling.type": "yarn", "rope.scaling.factor": "F",
+                          "rope.scaling.original_context_length": 0},
+                         {"rope_type": "yarn", "factor": "F",
+                          "original_max_position_embeddings": "C"}),
+    "yarn": ({"rope.scaling.type": "yarn", "rope.scaling.factor": "F",
+              "rope.scaling.original_context_length": "O"},
+             {"rope_type": "yarn", "factor": "F", "original_max_position_embeddings": "O"}),
+    "none with a factor": ({"rope.scaling.type": "none", "rope.scaling.factor": "F"}, None),
+    "linear, no factor": ({"rope.scaling.type": "linear"}, None),
+    "factor 0": ({"rope.scaling.factor": 0.0, "rope.scale_linear": "F"}, None),
+    "no key": ({}, None),
+}
+
+
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_scaling_is_read_as_llama_cpp_reads_it(rng, tmp_path, case):
+    keys, want = ROPE_CASES[case]
+    values = {"F": float(np.float32(rng.uniform(1.5, 16))),
+              "G": float(np.float32(rng.uniform(1.5, 16))),
+              "C": int(rng.integers(64, 4096)), "O": int(rng.integers(16, 64))}
+
+    def fill(d):
+        return {k: values.get(v, v) if isinstance(v, str) else v for k, v in d.items()}
+
+    tok = llama3_tokenizer.build(["ab cd ef"] * 4, 300)
+    path = write_meta_gguf(tmp_path / "f.gguf", tok, rope=fill(keys), context=values["C"])
+    config = GGUFFile(path).config
+    assert config["max_position_embeddings"] == values["C"]
+    assert config.get("rope_scaling") == (want and fill(want))
+
+
+@pytest.mark.parametrize("scaling,rope", [
+    ("linear", {"rope.scaling.factor": 4.0}),  # what a file with no type says
+    ("linear", {"rope.scale_linear": 4.0}),  # the key's older name
+    ("yarn", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}),  # original: context
+])
+def test_a_scaled_file_gives_the_scaled_models_logits(rng, tmp_path, scaling, rope):
+    """Past the original context, the import of a file whose scaling llama.cpp reads from these
+    keys gives the logits of the scaled HF model the file was written from (every tensor F32).
+    transformers' GGUF loader is no reference here: it reads no rope.scaling key for a llama
+    file and runs every one of these unscaled."""
+    model = hf_model(rng, tmp_path / "hf", scaling=scaling, kv_heads=2)
+    tok = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    path = write_gguf(model, tok, tmp_path / "scaled.gguf", rope=rope, exact=True,
+                      context=ORIGINAL)
+    assert convert_hf.main(["import", "--gguf", str(path), "--out", str(tmp_path / "run"),
+                            "--config.data.seq_len=128"]) == 0
+    run = open_run(tmp_path / "run")
+    assert (run.config.model.rope_scaling.type, run.config.model.rope_scaling.factor) == (
+        scaling, 4.0)
+    tokens = rng.integers(0, run.config.model.vocab_size, (2, 4 * ORIGINAL))
+    assert relative(our_logits(run, tokens), hf_logits(model, tokens)) < 1e-4
+
+
 @pytest.mark.parametrize("case,message", [
     ("arch", "architecture 'qwen3' does not convert; llama does"),
     ("pre", "pre-tokenizer 'qwen2' is not known here"),
     ("type", "is of type IQ4_NL, which does not dequantize here"),
     ("truncated", "cannot be read as GGUF"),
     ("not gguf", "not a GGUF file"),
+    ("longrope", "llama.rope.scaling.type='longrope' does not convert; none, linear and yarn do"),
+    ("attn_factor", "llama.rope.scaling.attn_factor=2 does not convert; only 1"),
+    ("factor < 1", "llama.rope.scale_linear=0.5 does not convert; a factor >= 1 does"),
 ])
 def test_a_bad_file_stops_in_one_line(tiny_gguf, tmp_path, capsys, case, message):
     path, tok = tiny_gguf
@@ -160,9 +392,14 @@ def test_a_bad_file_stops_in_one_line(tiny_gguf, tmp_path, capsys, case, message
     else:
         rng = np.random.default_rng(0)
         model = hf_model(rng, tmp_path / "hf", kv_heads=2)
+        rope = {"longrope": {"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0},
+                "attn_factor": {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                "rope.scaling.original_context_length": 16,
+                                "rope.scaling.attn_factor": 2.0},
+                "factor < 1": {"rope.scale_linear": 0.5}}.get(case)
         write_gguf(model, tok, bad, arch="qwen3" if case == "arch" else "llama",
                    pre="qwen2" if case == "pre" else "smollm",
-                   corrupt_type=Q.IQ4_NL if case == "type" else None)
+                   corrupt_type=Q.IQ4_NL if case == "type" else None, rope=rope)
     if case != "pre":
         with pytest.raises(ConversionError, match=message):
             GGUFFile(bad)
