@@ -116,7 +116,8 @@ def get_config() -> ml_collections.ConfigDict:
     d.bad_records = "stop"  # stop | skip
     # What a record is: text (documents, packed as one stream) | chat (a conversation: data/sft.py
     # renders it with the run's chat template and trains the assistant's tokens only; whole
-    # conversations packed into rows, each its own segment; jsonl or hf sources)
+    # conversations packed into rows, each its own segment; jsonl or hf sources) | preference
+    # (a prompt with a chosen and a rejected response: data/preference.py, the dpo fields)
     d.format = "text"
     d.messages_field = ""  # chat: the field holding the messages; "" = messages, else conversations
     d.chat_template = ""  # chat: a .jinja file (or tokenizer_config.json); "" = the tokenizer's own
@@ -178,6 +179,14 @@ def get_config() -> ml_collections.ConfigDict:
     # restore it, skip the batches up to the bad step and go on (training/divergence.py).
     t.on_nonfinite = "stop"  # stop | rollback
     t.max_rollbacks = 3  # rollback: at most this many per run (resumes included), then stop
+
+    # Preference tuning (data.format=preference; model/preference.py, as TRL's DPOTrainer):
+    # the loss of each packed chosen/rejected pair against the starting model's log-probs.
+    c.dpo = p = ml_collections.ConfigDict()
+    p.beta = 0.1  # the implicit reward's scale: how far the policy may move from the reference
+    p.loss_type = "sigmoid"  # sigmoid (DPO) | ipo (IPO's squared loss) | hinge (SLiC)
+    p.label_smoothing = 0.0  # sigmoid: the chance a preference label is wrong (cDPO); 0 = DPO
+    p.rpo_alpha = 0.0  # weight of the chosen responses' cross-entropy added (RPO); 0 = none
 
     c.checkpoint = k = ml_collections.ConfigDict()
     k.every = 500  # steps between checkpoints (0 disables periodic saves; the last step saves)

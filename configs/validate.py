@@ -124,6 +124,8 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     except DataError as e:
         raise ConfigError(str(e)) from None
     _check_chat_data(d)
+    if d.get("format", "text") == "preference":
+        _check_dpo(config.dpo)
 
     _need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _need(t.lr > 0, f"train.lr={t.lr} must be > 0")
@@ -161,6 +163,18 @@ def _check_chat_data(d):
     _need(d.too_long in TOO_LONG, f"data.too_long={d.too_long!r} is not one of {', '.join(TOO_LONG)}")
     _need(bool(d.tokenizer), f"data.format={fmt} needs the model's tokenizer and its chat "
                              f"template: set data.tokenizer (configs/sft.py:RUN_DIR sets a run's)")
+
+
+def _check_dpo(p):
+    """The preference loss's fields (model/preference.py)."""
+    from model.preference import LOSS_TYPES
+    _need(p.beta > 0, f"dpo.beta={p.beta} must be > 0 (the KL penalty's weight; DPO's usual 0.1)")
+    _need(p.loss_type in LOSS_TYPES,
+          f"dpo.loss_type={p.loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+    _need(0 <= p.label_smoothing < 0.5,
+          f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the chance a label is "
+          f"flipped; 0: plain DPO)")
+    _need(p.rpo_alpha >= 0, f"dpo.rpo_alpha={p.rpo_alpha} must be >= 0 (0: no SFT term)")
 
 
 def _check_tiles(kernel, a, m, seq_len, n, platform):

@@ -1,4 +1,5 @@
-"""Conversations read from records: the ``messages`` format (TRL, axolotl, OpenAI) and ShareGPT's.
+"""Conversations read from records: the ``messages`` format (TRL, axolotl, OpenAI) and ShareGPT's,
+and preference pairs (TRL's ``prompt`` / ``chosen`` / ``rejected``).
 
 A record is a dict holding a list of messages under ``data.messages_field`` (``""``: ``messages``,
 else ShareGPT's ``conversations``). A message is ``{"role": system|user|assistant|tool,
@@ -54,27 +55,15 @@ def _content(value, where: str):
     raise BadConversation(f"{where} content is {type(value).__name__}, not text")
 
 
-def messages_of(record, field: str = "") -> list[dict]:
-    """The record's messages, each with a known role and text content; BadConversation else."""
-    if not isinstance(record, dict):
-        raise BadConversation(f"the record is {type(record).__name__}, not an object")
-    if field:
-        if field not in record:
-            raise BadConversation(f"no {field!r} field (fields: {', '.join(map(str, record))})")
-        name = field
-    else:
-        name = next((f for f in FIELDS if f in record), None)
-        if name is None:
-            raise BadConversation(f"no messages (looked for {' or '.join(map(repr, FIELDS))}; "
-                                  f"fields: {', '.join(map(str, record)) or 'none'}); set "
-                                  f"data.messages_field")
-    turns = record[name]
+def _turns(turns, name: str) -> list[dict]:
+    """A list of messages (the messages format or ShareGPT's) checked and in the messages
+    format; BadConversation else."""
     if not isinstance(turns, list) or not turns:
         raise BadConversation(f"{name!r} is {'empty' if turns == [] else type(turns).__name__}, "
                               f"not a list of messages")
     out = []
     for i, turn in enumerate(turns):
-        where = f"message {i}"
+        where = f"{name} message {i}" if name != "messages" else f"message {i}"
         if not isinstance(turn, dict):
             raise BadConversation(f"{where} is {type(turn).__name__}, not an object")
         if "role" in turn:
@@ -96,6 +85,61 @@ def messages_of(record, field: str = "") -> list[dict]:
         if content is None and not (role == "assistant" and rest.get("tool_calls")):
             raise BadConversation(f"{where} ({role}) has no content")
         out.append({"role": role, "content": content, **rest})
+    return out
+
+
+def pair_of(record) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen, rejected) messages of a preference record, TRL's format: ``prompt``
+    (messages, or a string: one user message) and ``chosen`` / ``rejected`` (messages, or a
+    string: one assistant message); without ``prompt``, chosen and rejected are whole
+    conversations and the prompt is what they share before they part. Each side needs an
+    assistant turn after the prompt; BadConversation else."""
+    if not isinstance(record, dict):
+        raise BadConversation(f"the record is {type(record).__name__}, not an object")
+    missing = [k for k in ("chosen", "rejected") if k not in record]
+    if missing:
+        raise BadConversation(f"no {' or '.join(map(repr, missing))} field (fields: "
+                              f"{', '.join(map(str, record)) or 'none'})")
+
+    def side(value, name, role):
+        if isinstance(value, str):
+            return [{"role": role, "content": value}]
+        return _turns(value, name)
+
+    chosen, rejected = side(record["chosen"], "chosen", "assistant"), side(
+        record["rejected"], "rejected", "assistant")
+    if record.get("prompt") is not None:
+        prompt = side(record["prompt"], "prompt", "user")
+    else:  # an implicit prompt: the messages both sides share
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        while n and chosen[n - 1]["role"] == "assistant":  # a response starts a side
+            n -= 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if not prompt:
+            raise BadConversation("no prompt, and chosen and rejected share no first message")
+    for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise BadConversation(f"{name} holds no assistant turn")
+    return prompt, chosen, rejected
+
+
+def messages_of(record, field: str = "") -> list[dict]:
+    """The record's messages, each with a known role and text content; BadConversation else."""
+    if not isinstance(record, dict):
+        raise BadConversation(f"the record is {type(record).__name__}, not an object")
+    if field:
+        if field not in record:
+            raise BadConversation(f"no {field!r} field (fields: {', '.join(map(str, record))})")
+        name = field
+    else:
+        name = next((f for f in FIELDS if f in record), None)
+        if name is None:
+            raise BadConversation(f"no messages (looked for {' or '.join(map(repr, FIELDS))}; "
+                                  f"fields: {', '.join(map(str, record)) or 'none'}); set "
+                                  f"data.messages_field")
+    out = _turns(record[name], name)
     if not any(m["role"] == "assistant" for m in out):
         raise BadConversation("no assistant turn")
     return out

@@ -160,6 +160,26 @@ class ChatTemplate:
             spans = spans[-1:]
         return text, spans
 
+    def response_spans(self, prompt: list[dict], response: list[dict]
+                       ) -> tuple[str, list[tuple[int, int]]]:
+        """(the text of ``prompt + response``, the spans of the response's assistant turns):
+        a preference pair's side, whose log-probability is taken over its response only."""
+        messages = prompt + response
+        if self.marked:
+            marks: list = []
+            text = self.render(messages, marks=marks)
+            before = sum(m["role"] == "assistant" for m in prompt)
+            if len(marks) == sum(m["role"] == "assistant" for m in messages):
+                spans = marks[before:]  # one mark per assistant turn: the response's are last
+            else:  # marks that are not one per turn: those after the prompt's text
+                start = len(self.render(prompt, add_generation_prompt=True))
+                spans = [s for s in marks if s[0] >= start]
+            return text, [s for s in spans if s[1] > s[0]]
+        text = self.render(messages)
+        return text, [s for i in range(len(prompt), len(messages))
+                      if messages[i]["role"] == "assistant"
+                      for s in [self._turn(messages, i, text)] if s[1] > s[0]]
+
     def _turn(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
         """Where assistant turn ``i`` lies in ``text`` (the whole conversation rendered)."""
         prompt = self.render(messages[:i], add_generation_prompt=True)

@@ -6,7 +6,8 @@ documents upsampled) -> per-epoch shuffled packing -> layout permutation -> glob
 sharded on the mesh.
 
 ``data.format=chat`` reads conversations instead (data/sft.py: the same batches, rows of whole
-conversations, the loss mask on the assistant's tokens).
+conversations, the loss mask on the assistant's tokens), ``preference`` pairs of them
+(data/preference.py: a pair's two sides packed together, with the reference's log-probs).
 
 Batches are dicts of global ``jax.Array``s ``[B, L]`` in layout order, sharded
 ``P(("data", "fsdp"), "sequence")``: ``tokens``, ``labels`` (int32), ``positions`` (int32 true
@@ -159,7 +160,11 @@ class Pipeline:
         batch = rows.rows(first_row + self._rows.start, self._rows.stop - self._rows.start)
         if natural:
             return batch
-        return {k: np.ascontiguousarray(v[:, self._perm[self._cols]]) for k, v in batch.items()}
+        return self.in_layout(batch)
+
+    def in_layout(self, rows: dict) -> dict:
+        """This process's rows (natural order) with its columns of the layout."""
+        return {k: np.ascontiguousarray(v[:, self._perm[self._cols]]) for k, v in rows.items()}
 
     def device_batch(self, first_row: int, heldout: bool = False) -> dict:
         return batching.to_global(self.host_batch(first_row, heldout), self.sharding,
@@ -248,8 +253,12 @@ def _check_data_fields(d) -> None:
 def make_pipeline(config, mesh: Mesh) -> Pipeline:
     """Builds the pipeline for ``config`` on ``mesh`` (``data.format``: text streams or chat
     conversations); user mistakes raise DataError (one line)."""
-    if config.data.get("format", "text") == "chat":
+    fmt = config.data.get("format", "text")
+    if fmt == "chat":
         from data.sft import ChatPipeline
         return ChatPipeline(config, mesh)
+    if fmt == "preference":
+        from data.preference import PreferencePipeline
+        return PreferencePipeline(config, mesh)
     return Pipeline(config, mesh)
 

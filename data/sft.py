@@ -32,7 +32,7 @@ from data.pipeline import Pipeline
 from errors import DataError
 
 VERSION = 1  # bump when rendering or masking changes, so old caches are not reused
-FORMATS = ("text", "chat")  # data.format
+FORMATS = ("text", "chat", "preference")  # data.format
 TOO_LONG = ("drop", "truncate")
 _ENCODE_CHUNK = 256
 
@@ -240,25 +240,9 @@ class ChatPipeline(Pipeline):
     def __init__(self, config, mesh):
         d = config.data
         self._init_batches(config, mesh)
-        if d.source not in ("jsonl", "hf"):
-            raise DataError(f"data.format=chat reads conversations from data.source=jsonl or hf, "
-                            f"not {d.source!r}")
-        if d.mixture:
-            raise DataError("data.format=chat reads one source; data.mixture must be empty")
-        if not d.tokenizer:
-            raise DataError("data.format=chat needs the model's tokenizer: set data.tokenizer "
-                            "(configs/sft.py:RUN_DIR sets the run's own)")
-        from data import sources
-        self.source = sources.make_source(d)
-        self.tokenizer = tok_lib.load(d.tokenizer, int(config.model.vocab_size))
-        self.tokenizer_path = d.tokenizer
-        self.fingerprint = tok_lib.fingerprint(self.tokenizer)
-        self.vocab_size = int(config.model.vocab_size)
-        self.eos_id = tok_lib.eos_id(self.tokenizer)
-        self.template = chat_template.load(d.chat_template, d.tokenizer)
-        self.train_on, self.too_long = d.train_on, d.too_long
-        key = "\0".join([self.source.record_signature(), f"max_docs={int(d.max_docs)}", self.fingerprint,
-                         self.template.digest, self.train_on, d.messages_field])
+        self._init_records(config)
+        key = "\0".join([self.source.record_signature(), f"max_docs={int(d.max_docs)}",
+                         self.fingerprint, self.template.digest, self.train_on, d.messages_field])
 
         def make():
             tally = chat.Tally()
@@ -278,8 +262,9 @@ class ChatPipeline(Pipeline):
         self.conversations_read = conv.count
         train_conv, train_ids, self._train_origin = fit(conv, train_ids, self.seq_len,
                                                         self.too_long, self.tally)
+        self.heldout_tally = chat.Tally()
         held_conv, held_ids, self._held_origin = fit(conv, held_ids, self.seq_len, self.too_long,
-                                                     chat.Tally())
+                                                     self.heldout_tally)
         if train_ids.size == 0:
             raise DataError(f"every training conversation is longer than data.seq_len="
                             f"{self.seq_len} tokens (data.too_long={self.too_long}); raise "
@@ -302,6 +287,29 @@ class ChatPipeline(Pipeline):
         self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
                                    int(d.prefetch), identity)
 
+    def _init_records(self, config) -> None:
+        """The source of records, the model's tokenizer and the chat template (one line for
+        each that is missing)."""
+        d = config.data
+        fmt = d.get("format", "chat")
+        if d.source not in ("jsonl", "hf"):
+            raise DataError(f"data.format={fmt} reads records from data.source=jsonl or hf, "
+                            f"not {d.source!r}")
+        if d.mixture:
+            raise DataError(f"data.format={fmt} reads one source; data.mixture must be empty")
+        if not d.tokenizer:
+            raise DataError(f"data.format={fmt} needs the model's tokenizer: set data.tokenizer "
+                            f"(configs/sft.py:RUN_DIR and configs/dpo.py:RUN_DIR set the run's)")
+        from data import sources
+        self.source = sources.make_source(d)
+        self.tokenizer = tok_lib.load(d.tokenizer, int(config.model.vocab_size))
+        self.tokenizer_path = d.tokenizer
+        self.fingerprint = tok_lib.fingerprint(self.tokenizer)
+        self.vocab_size = int(config.model.vocab_size)
+        self.eos_id = tok_lib.eos_id(self.tokenizer)
+        self.template = chat_template.load(d.chat_template, d.tokenizer)
+        self.train_on, self.too_long = d.train_on, d.too_long
+
     def conversations(self, first_row: int, count: int, heldout: bool = False) -> list[list[int]]:
         """Which conversations (their index among those read, in read order) global rows
         ``first_row ..`` hold, row by row: what a batch trains on."""
@@ -317,6 +325,14 @@ class ChatPipeline(Pipeline):
     @property
     def shapes_epoch(self) -> bool:
         return True
+
+    def _heldout_too_long(self, what: str) -> str:
+        h = self.heldout_tally
+        if not h.too_long:
+            return ""
+        gone = h.too_long if self.too_long == "drop" else h.cut_to_nothing
+        return (f"held out: {h.too_long} {what}(s) longer than {self.seq_len} tokens"
+                f"{f', {gone} dropped' if gone else ', truncated'}")
 
     def _passed_over(self) -> str:
         t, said = self.tally, []
@@ -342,12 +358,13 @@ class ChatPipeline(Pipeline):
             said.append(f"{t.too_long} training conversation(s) longer than {self.seq_len} "
                         f"tokens {'dropped' if self.too_long == 'drop' else 'truncated'} "
                         f"(data.too_long={self.too_long}; first: {t.first_too_long}){cut}")
+        said.append(self._heldout_too_long("conversation"))
         said.append(f"{self.train_conversations} train / {self.heldout_conversations} held out; "
                     f"{rows} rows of {self.seq_len} ({self.train_tokens / (rows * self.seq_len):.0%} "
                     f"filled); trained tokens {self.trained_tokens / (rows * self.seq_len):.1%} of "
                     f"the rows (data.train_on={self.train_on}); chat template {self.template.where}"
                     f"{'' if self.template.marked else ' (turn by turn: no generation marks)'}")
-        return "; ".join(said)
+        return "; ".join(x for x in said if x)
 
 
 def _limited(records, max_docs: int):

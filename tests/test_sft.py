@@ -177,7 +177,7 @@ def step_of(chat_run, tmp_path, impl, layout, mesh, microbatches):
     trainer = Trainer(c, m)
     from checkpoints.rundir import open_run
     params = open_run(chat_run[0]).restore_params(trainer.abstract_state.params).params
-    loss, count, grads = jax.jit(trainer.gradients)(params, pipe.device_batch(0))
+    loss, count, grads, _ = jax.jit(trainer.gradients)(params, pipe.device_batch(0))
     pipe.close()
     grads = jax.device_get(grads)
     norm = float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads))))

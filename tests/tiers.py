@@ -120,6 +120,10 @@ SLOW = {
     "test_sft.py::test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports":
         "three chat runs (train.py's entry, in process) and an export",
     "test_sft.py::test_generate_chat_gives_transformers_greedy_reply": "generate.py's main()",
+    "test_preference.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching":
+        "a train step per mesh (the first step against transformers stays)",
+    "test_preference.py::test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports":
+        "three DPO runs (train.py's entry, in process) and an export",
 }
 
 # The surface whose behaviour depends on JAX's version, for `make test-next`: Pallas (interpret
@@ -194,6 +198,8 @@ NEXT = {
     # a chat batch's step on a striped ring against one device
     "test_sft.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching"
     "[ring-striped-1x1x8x1-mb1]": "packed conversations' segments on a ring",
+    "test_preference.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching"
+    "[ring-striped-1x1x8x1-mb1]": "packed pairs' sides gathered by segment on a ring",
 }
 
 # The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py

@@ -54,8 +54,10 @@ class MetricsLogger:
         if not self.main:
             return
         self._append("eval.jsonl", record)
-        self.write(f"step {record['step']}: held-out loss {record['eval_loss']:.4f} "
-                   f"(ppl {record['eval_ppl']:.1f})")
+        said = (f"(ppl {record['eval_ppl']:.1f})" if "eval_ppl" in record else
+                ", ".join(f"{k.removeprefix('eval_').replace('_', ' ')} {v:.4g}"
+                          for k, v in record.items() if k not in ("step", "eval_loss")))
+        self.write(f"step {record['step']}: held-out loss {record['eval_loss']:.4f} {said}")
         if self.run is not None:
             self.run.log({f"eval/{k}": v for k, v in record.items() if k != "step"},
                          step=record["step"])

@@ -22,6 +22,11 @@ from training.state import Trainer
 from configs.validate import validate
 
 
+# What every train step reports; an objective's own metrics (training/objective.py: a preference
+# run's rewards, accuracy, margin and pairs) are logged beside them.
+STEP_METRICS = ("loss", "grad_norm", "lr", "tokens", "bad_step")
+
+
 def check_workdir(workdir: pathlib.Path, fingerprint: str):
     """Refuses a run directory trained with another tokenizer, before anything is written."""
     fp_file = workdir / "tokenizer_fingerprint.txt"
@@ -102,11 +107,16 @@ def kernel_note(trainer: Trainer, mesh, config=None) -> str:
 
 
 def evaluate(trainer: Trainer, params, batches) -> dict:
-    totals = [trainer.eval_step(params, b) for b in batches]
-    loss_sum = sum(float(t["loss_sum"]) for t in totals)
-    tokens = sum(float(t["tokens"]) for t in totals)
-    loss = loss_sum / max(tokens, 1.0)
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+    """The held-out loss over every batch's count (tokens, or pairs); a preference run's
+    rewards, accuracy and margin too, each a mean over the held-out pairs."""
+    totals = [jax.device_get(trainer.eval_step(params, b)) for b in batches]
+    sums = {k: sum(float(t[k]) for t in totals) for k in totals[0]}
+    count = max(sums.pop("count"), 1.0)
+    loss = sums.pop("loss_sum") / count
+    out = {"eval_loss": loss}
+    if trainer.objective.count_key == "tokens":
+        out["eval_ppl"] = math.exp(min(loss, 50.0))
+    return out | {f"eval_{k}": v / count for k, v in sums.items()}
 
 
 def run(config, workdir: pathlib.Path) -> dict:
@@ -133,6 +143,9 @@ def run(config, workdir: pathlib.Path) -> dict:
             if line:
                 log.write(line)
         start, state = start_state(config, trainer, pipe, ckpts, log.write)
+        prepare = getattr(pipe, "prepare", None)  # a preference run's reference log-probs
+        if prepare is not None:
+            prepare(trainer, state.params, workdir, start, log.write)
         # Only now, with the checkpoint found to fit this config, is the config recorded.
         template = getattr(pipe, "template", None)
         write_run_files(workdir, config, pipe.tokenizer, pipe.fingerprint,
@@ -192,10 +205,11 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
             tps = (step - clock_step) * tokens_per_step / max(now - clock, 1e-9)
             clock, clock_step = now, step
         latest["loss"] = float(metrics["loss"])
+        extra = {k: float(v) for k, v in metrics.items() if k not in STEP_METRICS}
         log.train({"step": step, "loss": latest["loss"],
                    "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
-                   "trained_tokens": int(metrics["tokens"])})
+                   "trained_tokens": int(metrics["tokens"]), **extra})
         return None
 
     def first_bad() -> int | None:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from model.decoder import Decoder
 from model.sharded import ShardedModel
 from parallel.mesh import batch_sharding
-from training import remat
+from training import objective, remat
 from training.optim import decay_mask, make_optimizer, schedule
 
 # For a step compiled only to read its memory (the planner; model.remat=auto): the backend's
@@ -62,7 +62,9 @@ class Trainer:
         opt_shardings = _like_params(abstract_opt, abstract_pure, self.param_shardings, replicated)
         self.state_shardings = TrainState(step=replicated, params=self.param_shardings,
                                           opt_state=opt_shardings, bad_step=replicated)
-        self.batch_shardings = self.sharded.batch_shardings
+        self.objective = objective.of(config)
+        self.batch_shardings = {**self.sharded.batch_shardings, **{
+            k: batch_sharding(mesh) for k in self.objective.batch_keys}}
         self._micro_sharding = NamedSharding(mesh, P(None, *batch_sharding(mesh).spec))
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -85,7 +87,8 @@ class Trainer:
         real ones."""
         d = self.config.data
         shape = (rows or d.batch_size, seq_len or d.seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+        floats = ("loss_mask", *self.objective.batch_keys)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in floats else jnp.int32,
                                         sharding=s)
                 for k, s in self.batch_shardings.items()}
 
@@ -115,21 +118,34 @@ class Trainer:
                                   chunk=self.config.train.loss_chunk)
 
     def loss(self, params, batch):
-        """Mean over unmasked tokens (order-free, so any layout works) and their count."""
-        count = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-        return self.token_losses(params, batch).sum() / count, count
+        """The objective's loss (training/objective.py: the mean over trained tokens, or over
+        pairs; order-free, so any layout works) and that count."""
+        loss, counts, _ = self.loss_and_sums(params, batch)
+        return loss, counts[self.objective.count_key]
+
+    def loss_and_sums(self, params, batch, counts=None):
+        """(loss contribution of ``batch`` given the counts of the whole batch it belongs to
+        (its own by default), those counts, the objective's sums to report)."""
+        counts = self.objective.counts(batch) if counts is None else counts
+        loss, sums = self.objective.contribution(self.token_losses(params, batch), batch, counts)
+        return loss, counts, sums
 
     def gradients(self, params, batch):
-        """(mean loss over unmasked tokens, their count, gradients) of one global batch.
+        """(loss, the objective's count, gradients, metrics) of one global batch.
 
         With ``train.microbatches=k`` the batch runs as k sequential microbatches (a scan):
-        each adds the gradient of its masked loss sum over the whole batch's token count, so
-        the result is the one-batch loss and gradient, with 1/k of the activations."""
+        each adds the gradient of its loss sum over the whole batch's count (tokens, pairs),
+        so the result is the one-batch loss and gradient, with 1/k of the activations."""
         k = self.config.train.microbatches
+        key = self.objective.count_key
         if k <= 1:
-            (loss, count), grads = jax.value_and_grad(self.loss, has_aux=True)(params, batch)
-            return loss, count, grads
-        count = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+            def whole(p):
+                loss, counts, sums = self.loss_and_sums(p, batch)
+                return loss, (counts, sums)
+            (loss, (counts, sums)), grads = jax.value_and_grad(whole, has_aux=True)(params)
+            return loss, counts[key], grads, self.objective.metrics(sums, counts) | {
+                "tokens": counts["tokens"]}
+        counts = self.objective.counts(batch)
 
         def split(x_BL):
             # Row j*k + i goes to microbatch i: each device's contiguous block of rows splits
@@ -139,23 +155,28 @@ class Trainer:
             return jax.lax.with_sharding_constraint(x_kBL, self._micro_sharding)
 
         def micro_loss(params, micro):
-            return self.token_losses(params, micro).sum() / count
+            loss, _, sums = self.loss_and_sums(params, micro, counts)
+            return loss, sums
 
         def body(carry, micro):
-            loss_sum, grads = carry
-            loss, g = jax.value_and_grad(micro_loss)(params, micro)
+            loss_sum, sums_sum, grads = carry
+            (loss, sums), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
             grads = jax.tree.map(jnp.add, grads, g)
             grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
-            return (loss_sum + loss, grads), None
+            return (loss_sum + loss, jax.tree.map(jnp.add, sums_sum, sums), grads), None
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
                                                  self.param_shardings)
-        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                        {key: split(v) for key, v in batch.items()})
-        return loss, count, grads
+        micro = {name: split(v) for name, v in batch.items()}
+        sums0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+            micro_loss, params, jax.tree.map(lambda x: x[0], micro))[1])
+        (loss, sums, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), sums0, zeros),
+                                              micro)
+        return loss, counts[key], grads, self.objective.metrics(sums, counts) | {
+            "tokens": counts["tokens"]}
 
     def _train_step(self, state: TrainState, batch):
-        loss, count, grads = self.gradients(state.params, batch)
+        loss, _, grads, extra = self.gradients(state.params, batch)
         with jax.named_scope("optimizer"):  # training/profile.py's row
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
@@ -165,14 +186,16 @@ class Trainer:
         bad_step = jnp.where((state.bad_step < 0) & ~finite, state.step, state.bad_step)
         # The step's learning rate travels with its metrics: computed on the host at log time,
         # a jitted op would queue behind the step dispatched after it and stall the device.
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "bad_step": bad_step,
-                   "lr": self.lr_schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "bad_step": bad_step,
+                   "lr": self.lr_schedule(state.step), **extra}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           bad_step=bad_step), metrics
 
     def _eval_step(self, params, batch):
-        loss, count = self.loss(params, batch)
-        return {"loss_sum": loss * count, "tokens": count}
+        """Sums over the batch: the loss times its count, the count, the objective's sums."""
+        loss, counts, sums = self.loss_and_sums(params, batch)
+        count = counts[self.objective.count_key]
+        return {"loss_sum": loss * count, "count": count, **sums}
 
 
 def step_bytes(config, mesh) -> int:

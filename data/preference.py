@@ -1,0 +1,272 @@
+"""The preference pipeline (``data.format=preference``, DPO): pairs of responses to one prompt,
+each side rendered with the run's chat template, packed together, with the reference model's
+log-probabilities.
+
+records (TRL's prompt / chosen / rejected; data/chat.py ``pair_of``, bad ones counted) -> each
+side's text and response spans (the assistant turns after the prompt) -> ids and a trained flag
+per token (cached) -> held-out split of pairs -> a pair longer than a row dropped, or each side
+cut to half a row (``data.too_long``) -> best-fit packing of whole pairs -> rows.
+
+A pair is never split: pair k of a row is its chosen side (segment 2k - 1) then its rejected
+side (2k), each with positions from 0, so a row's loss sees both sides of every pair it holds
+and attention never crosses a side (model/preference.py reads the sides by segment). A side's
+log-probability is the sum over its response tokens (``loss_mask``).
+
+The reference's log-probabilities are computed once, by the starting weights, in a pass over
+every train and held-out row before the first step (``prepare``), and stored in the run
+directory (``reference_logps.npz``): a resumed run reads them there. A pass costs one forward
+over the data; the alternative, a frozen copy of the weights run beside the policy in every
+step, would hold a second set of parameters in device memory for the whole run and add a
+forward to every step of every epoch. Each batch carries them as ``ref_logps``: a side's sum
+at its first token, zero elsewhere (so any layout permutation keeps them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+
+import numpy as np
+
+from data import chat, files, split
+from data.chat import BadConversation
+from data.chat_template import TemplateError
+from data.iterator import TrainIterator
+from data.sft import ChatPipeline, ChatRows, Conversations, _limited, best_fit, cached, row_arrays
+from errors import CheckpointError, DataError
+
+REFERENCE_FILE = "reference_logps.npz"
+
+
+def tokenize_pairs(records, template, tokenizer, tally: chat.Tally) -> Conversations:
+    """Every valid pair of ``records`` as two sequences: pair i is sequences 2i (chosen) and
+    2i + 1 (rejected), each flagged on its response tokens."""
+    from data.chat_template import token_mask
+    ids, trained, lengths = [], [], []
+    for where, record in records:
+        tally.read += 1
+        try:
+            prompt, chosen, rejected = chat.pair_of(record)
+            sides = [template.response_spans(prompt, chosen),
+                     template.response_spans(prompt, rejected)]
+        except (BadConversation, TemplateError) as e:
+            tally.add("bad", f"{where}: {e}")
+            continue
+        encoded = tokenizer.encode_batch([t for t, _ in sides], add_special_tokens=False)
+        flags = [token_mask(enc.offsets, spans) for enc, (_, spans) in zip(encoded, sides)]
+        if not all(f[1:].any() for f in flags):
+            tally.add("empty", where)
+            continue
+        for enc, f in zip(encoded, flags):
+            ids.append(np.asarray(enc.ids, np.int32))
+            trained.append(f)
+            lengths.append(len(enc.ids))
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))  # noqa: E731
+    return Conversations(cat(ids, np.int32), cat(trained, bool), offsets)
+
+
+def fit_pairs(conv: Conversations, pairs: np.ndarray, seq_len: int, policy: str,
+              tally: chat.Tally) -> tuple[Conversations, np.ndarray, np.ndarray]:
+    """Pairs ``pairs`` as a row takes them (both sides together): a longer pair dropped, or each
+    side cut to its first ``seq_len // 2`` tokens (dropped if a side then trains nothing).
+    Returns the sequences (a new set when any was cut), the pairs kept in it, and each kept
+    pair's index in ``conv``."""
+    size = conv.lengths[2 * pairs] + conv.lengths[2 * pairs + 1]
+    if (size <= seq_len).all():
+        return conv, pairs, np.arange(conv.count // 2, dtype=np.int64)
+    for p in pairs[size > seq_len]:
+        tally.add("too_long", f"pair {int(p)} ({int(conv.lengths[2 * p])} + "
+                              f"{int(conv.lengths[2 * p + 1])} tokens)")
+    keep, ids, trained = [], [], []
+    for p, n in zip(pairs, size):
+        sides = [conv.one(int(2 * p)), conv.one(int(2 * p + 1))]
+        if n > seq_len:
+            if policy == "drop":
+                continue
+            sides = [(t[:seq_len // 2], f[:seq_len // 2]) for t, f in sides]
+            if not all(f[1:].any() for _, f in sides):
+                tally.add("cut_to_nothing", f"pair {int(p)}")
+                continue
+        keep.append(int(p))
+        for t, f in sides:
+            ids.append(t)
+            trained.append(f)
+    offsets = np.concatenate([[0], np.cumsum([t.size for t in ids])]).astype(np.int64)
+    cut = Conversations(np.concatenate(ids).astype(np.int32), np.concatenate(trained), offsets)
+    return cut, np.arange(len(keep), dtype=np.int64), np.asarray(keep, np.int64)
+
+
+class PairRows(ChatRows):
+    """Rows of packed pairs (each row a list of pair indices), with the reference's per-side
+    log-probabilities at each side's first token once they are known (``ref``: one per
+    sequence)."""
+
+    def __init__(self, conv, rows, seq_len, pad_id, seed):
+        super().__init__(conv, rows, seq_len, pad_id, seed)
+        self.ref: np.ndarray | None = None
+
+    @staticmethod
+    def sides(row: list[int]) -> list[int]:
+        return [s for p in row for s in (2 * p, 2 * p + 1)]
+
+    def arrays(self, picked: list[list[int]]) -> dict:
+        out = row_arrays(self.conv, [self.sides(r) for r in picked], self.seq_len, self.pad_id)
+        ref = np.zeros(out["tokens"].shape, np.float32)
+        for r, row in enumerate(picked):
+            at = 0
+            for s in self.sides(row):
+                if self.ref is not None:
+                    ref[r, at] = self.ref[s]
+                at += self.conv.lengths[s]
+        out["ref_logps"] = ref
+        return out
+
+    def rows(self, first: int, count: int) -> dict[str, np.ndarray]:
+        return self.arrays(self.conversations(first, count))
+
+
+class PreferencePipeline(ChatPipeline):
+    """``data.format=preference``: Pipeline's batches over rows of packed pairs, each batch with
+    the reference's log-probabilities (after ``prepare``)."""
+
+    def __init__(self, config, mesh):
+        d = config.data
+        self._init_batches(config, mesh)
+        self._init_records(config)
+        key = "\0".join(["preference", self.source.record_signature(),
+                         f"max_docs={int(d.max_docs)}", self.fingerprint, self.template.digest])
+
+        def make():
+            tally = chat.Tally()
+            records = _limited(self.source.records(), int(d.max_docs))
+            conv = tokenize_pairs(records, self.template, self.tokenizer, tally)
+            return conv, {"tally": dataclasses.asdict(tally),
+                          "bad_records": dataclasses.asdict(files.tally(self.source.parts))}
+
+        conv, notes, self.cache_path = cached(d.cache_dir, key, make)
+        self.tally = chat.Tally(**notes["tally"])
+        self.bad_records = files.BadRecords(**notes["bad_records"])
+        n_pairs = conv.count // 2
+        if n_pairs == 0:
+            raise DataError(f"no preference pair to train in {self.source.description}: "
+                            f"{self._passed_over() or 'it holds none'}")
+        self.conversations_read = n_pairs
+        train, held = split.heldout_split(n_pairs, float(d.heldout_fraction))
+        train_conv, train, self._train_origin = fit_pairs(conv, train, self.seq_len,
+                                                          self.too_long, self.tally)
+        self.heldout_tally = chat.Tally()
+        held_conv, held, self._held_origin = fit_pairs(conv, held, self.seq_len, self.too_long,
+                                                       self.heldout_tally)
+        if train.size == 0:
+            raise DataError(f"every training pair is longer than data.seq_len={self.seq_len} "
+                            f"tokens, both sides together (data.too_long={self.too_long}); "
+                            f"raise data.seq_len or set data.too_long=truncate")
+        size = lambda c, ps: c.lengths[2 * ps] + c.lengths[2 * ps + 1]  # noqa: E731
+        self.train_rows_packed = [[int(train[j]) for j in row]
+                                  for row in best_fit(size(train_conv, train), self.seq_len)]
+        held_rows = [[int(held[j]) for j in row] for row in best_fit(size(held_conv, held),
+                                                                      self.seq_len)]
+        self.train_conversations, self.heldout_conversations = int(train.size), int(held.size)
+        self.train_tokens = int(size(train_conv, train).sum())
+        self.trained_tokens = int(sum(train_conv.one(int(s))[1][1:].sum()
+                                      for p in train for s in (2 * p, 2 * p + 1)))
+        self.shuffle_seed = int(d.shuffle_seed)
+        self._train_rows = PairRows(train_conv, self.train_rows_packed, self.seq_len, self.eos_id,
+                                    self.shuffle_seed)
+        self._heldout_rows = PairRows(held_conv, held_rows, self.seq_len, self.eos_id, None)
+        self.plan_digest = hashlib.sha256(
+            json.dumps([self.train_rows_packed, held_rows]).encode()).hexdigest()[:16]
+        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
+                    "documents": self.train_conversations, "shuffle_seed": self.shuffle_seed,
+                    "data_plan": self.plan_digest}
+        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
+                                   int(d.prefetch), identity)
+        self.prepared = False
+
+    def device_batch(self, first_row: int, heldout: bool = False) -> dict:
+        if not self.prepared:
+            raise DataError("the reference log-probabilities are not computed yet: "
+                            "PreferencePipeline.prepare comes before the first batch")
+        return super().device_batch(first_row, heldout)
+
+    # -- the reference ----------------------------------------------------------------------
+    def prepare(self, trainer, params, workdir: pathlib.Path, start: int, log) -> None:
+        """The reference's per-side log-probabilities: read from the run directory, or (a run's
+        start) computed with ``params``, the starting weights, over every row, and saved."""
+        import jax
+        path = workdir / REFERENCE_FILE
+        identity = json.dumps({"plan": self.plan_digest, "tokenizer": self.fingerprint,
+                               "template": self.template.digest, "seq_len": self.seq_len})
+        if path.is_file():
+            with np.load(path) as z:
+                if bytes(z["identity"]).decode() == identity:
+                    self._train_rows.ref, self._heldout_rows.ref = z["train"], z["heldout"]
+                    self.prepared = True
+                    log(f"reference log-probabilities: {path}")
+                    return
+            if start > 0:
+                raise CheckpointError(f"{path} was computed for other pairs (data, tokenizer, "
+                                      f"template or seq_len changed); a preference run resumes "
+                                      f"on the data it started with")
+        elif start > 0:
+            raise CheckpointError(f"{path} is missing: a preference run resumes with the "
+                                  f"reference log-probabilities it computed at its start")
+        sides = jax.jit(lambda p, b: trainer.objective.sides_logps(trainer.token_losses(p, b), b),
+                        in_shardings=(trainer.param_shardings, trainer.batch_shardings),
+                        out_shardings=jax.sharding.NamedSharding(trainer.mesh,
+                                                                 jax.sharding.PartitionSpec()))
+        refs = []
+        for rows in (self._train_rows, self._heldout_rows):
+            ref = np.zeros(rows.conv.count, np.float64)
+            packed = rows.packed
+            for first in range(0, len(packed), self.batch_size):
+                chunk = packed[first:first + self.batch_size]
+                chunk = chunk + [[]] * (self.batch_size - len(chunk))  # empty rows: padding
+                host = rows.arrays(chunk)
+                batch = self._to_device(host)
+                chosen, rejected = jax.device_get(sides(params, batch))
+                for r, row in enumerate(chunk):
+                    for k, p in enumerate(row):
+                        ref[2 * p], ref[2 * p + 1] = chosen[r, k], rejected[r, k]
+            refs.append(ref)
+        self._train_rows.ref, self._heldout_rows.ref = refs
+        self.prepared = True
+        if jax.process_index() == 0:
+            workdir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".partial.npz")
+            np.savez(tmp, train=refs[0], heldout=refs[1],
+                     identity=np.frombuffer(identity.encode(), np.uint8))
+            tmp.replace(path)
+        log(f"reference log-probabilities of {self.train_conversations} train and "
+            f"{self.heldout_conversations} held-out pairs computed with the starting weights: "
+            f"{path}")
+
+    def _to_device(self, host: dict) -> dict:
+        from data import batching
+        block = {k: v[self._rows] for k, v in host.items()}
+        return batching.to_global(self.in_layout(block), self.sharding, self.global_shape)
+
+    # -- facts for logs --------------------------------------------------------------------
+    def plan_line(self) -> str:
+        t = self.tally
+        rows = self.rows_per_epoch
+        said = [f"data: preference pairs, {t.read} records read from "
+                f"{self.source.description}, {self.conversations_read} pairs"]
+        passed = self._passed_over().replace("not conversations", "not preference pairs")
+        if passed:
+            said.append("passed over: " + passed)
+        if t.too_long:
+            cut = (f", {t.cut_to_nothing} of them then with nothing to train: dropped"
+                   if t.cut_to_nothing else "")
+            said.append(f"{t.too_long} training pair(s) longer than {self.seq_len} tokens "
+                        f"{'dropped' if self.too_long == 'drop' else 'cut to half a row each side'}"
+                        f" (data.too_long={self.too_long}; first: {t.first_too_long}){cut}")
+        said.append(self._heldout_too_long("pair"))
+        said.append(f"{self.train_conversations} train / {self.heldout_conversations} held out; "
+                    f"{rows} rows of {self.seq_len} ({self.train_tokens / (rows * self.seq_len):.0%} "
+                    f"filled); response tokens {self.trained_tokens / (rows * self.seq_len):.1%} "
+                    f"of the rows; chat template {self.template.where}"
+                    f"{'' if self.template.marked else ' (turn by turn: no generation marks)'}")
+        return "; ".join(x for x in said if x)

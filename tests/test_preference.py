@@ -1,0 +1,303 @@
+"""DPO: model/preference.py's losses against float64 formulas written here, data/preference.py's
+packed pairs and the reference pass, training/objective.py's Preference on a mesh: per-side
+log-probabilities are transformers', the first step's loss is ln 2 with zero rewards, the same
+step on any mesh, layout, strategy and microbatching; bad records counted; a run resumes
+exactly."""
+import json
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from data import chat
+from data.pipeline import make_pipeline
+from errors import DataError
+from model import preference
+from parallel.mesh import make_mesh
+from test_sft import SEQ, chat_run, say, write_jsonl  # noqa: F401  (chat_run: a fixture)
+from training.state import Trainer
+
+
+def pair(rng, prompt_turns=1):
+    prompt = []
+    for t in range(prompt_turns):
+        prompt += [{"role": "user", "content": say(rng)}]
+        if t < prompt_turns - 1:
+            prompt += [{"role": "assistant", "content": say(rng)}]
+    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": say(rng)}],
+            "rejected": [{"role": "assistant", "content": say(rng)}]}
+
+
+@pytest.fixture(scope="module")
+def pairs_file(chat_run, tmp_path_factory):
+    rng = np.random.default_rng(5)
+    records = [pair(rng, int(rng.integers(1, 3))) for _ in range(30)]
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", records), records
+
+
+def config(chat_run, pairs_file, tmp_path, mesh=None, **data):
+    from configs import dpo
+    c = dpo.get_config(str(chat_run[0]))
+    c.data.update({"path": str(pairs_file[0]), "seq_len": SEQ, "batch_size": 4,
+                   "heldout_fraction": 0.1, "prefetch": 0, "cache_dir": str(tmp_path / "cache"),
+                   **data})
+    c.model.update(dtype="float32", remat="none")
+    c.attention.update(block_q=16, block_kv=16)
+    c.mesh.update(mesh or {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1})
+    c.train.update(loss_chunk=0, warmup_steps=0)
+    return c
+
+
+def prepared(c, tmp_path, devices=None):
+    """(pipeline with its reference computed from the run's weights, trainer, params)."""
+    from checkpoints.rundir import open_run
+    mesh = make_mesh(c.mesh, devices or jax.devices()[:1])
+    pipe = make_pipeline(c, mesh)
+    trainer = Trainer(c, mesh)
+    params = open_run(c.checkpoint.restore_from).restore_params(trainer.abstract_state.params).params
+    pipe.prepare(trainer, params, tmp_path / "run", 0, lambda m: None)
+    return pipe, trainer, params
+
+
+# -- the losses -------------------------------------------------------------------------------
+def log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2),
+                                                  ("ipo", 0.0), ("hinge", 0.0)])
+def test_losses_and_their_gradients_are_the_float64_formulas(rng, loss_type, smoothing):
+    beta = float(rng.uniform(0.05, 0.5))
+    pc, pr, rc, rr = (rng.normal(-40, 10, 64) for _ in range(4))
+    z = (pc - pr) - (rc - rr)
+    if loss_type == "sigmoid":
+        want = -log_sigmoid(beta * z) * (1 - smoothing) - log_sigmoid(-beta * z) * smoothing
+        dz = -beta * (1 - smoothing) / (1 + np.exp(beta * z)) + beta * smoothing / (1 + np.exp(-beta * z))
+    elif loss_type == "ipo":
+        want = (z - 1 / (2 * beta)) ** 2
+        dz = 2 * (z - 1 / (2 * beta))
+    else:
+        want = np.maximum(0, 1 - beta * z)
+        dz = np.where(1 - beta * z > 0, -beta, 0.0)
+
+    def total(pc, pr):
+        return preference.losses(pc, pr, jnp.asarray(rc, jnp.float32), jnp.asarray(rr, jnp.float32),
+                                 beta=beta, loss_type=loss_type, label_smoothing=smoothing)[0].sum()
+
+    got, (gc, gr) = jax.value_and_grad(total, argnums=(0, 1))(jnp.asarray(pc, jnp.float32),
+                                                             jnp.asarray(pr, jnp.float32))
+    np.testing.assert_allclose(float(got), want.sum(), rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(gc), dz, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gr), -dz, rtol=1e-4, atol=1e-6)
+    _, chosen, rejected = preference.losses(pc, pr, rc, rr, beta=beta, loss_type=loss_type)
+    np.testing.assert_allclose(np.asarray(chosen), beta * (pc - rc), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(rejected), beta * (pr - rr), rtol=1e-6)
+
+
+def test_sides_are_read_by_segment_in_any_order(rng):
+    """Pair k of a row is segments 2k - 1 (chosen) and 2k (rejected): the per-side sums do not
+    depend on where the tokens sit (a layout permutes them)."""
+    L = 32
+    seg = np.zeros((2, L), np.int32)
+    seg[0, :6], seg[0, 6:10], seg[0, 10:20], seg[0, 20:24] = 1, 2, 3, 4
+    seg[1, :12], seg[1, 12:30] = 1, 2
+    values = rng.normal(size=(2, L))
+    chosen, rejected = preference.pairs(jnp.asarray(values), jnp.asarray(seg), L)
+    perm = rng.permutation(L)
+    pc, pr = preference.pairs(jnp.asarray(values[:, perm]), jnp.asarray(seg[:, perm]), L)
+    want_c = [[values[0, :6].sum(), values[0, 10:20].sum()], [values[1, :12].sum(), 0]]
+    want_r = [[values[0, 6:10].sum(), values[0, 20:24].sum()], [values[1, 12:30].sum(), 0]]
+    np.testing.assert_allclose(np.asarray(chosen)[:, :2], want_c, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rejected)[:, :2], want_r, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(pc), np.asarray(chosen), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(pr), np.asarray(rejected), rtol=1e-5)
+    assert not np.asarray(chosen)[:, 2:].any()
+
+
+# -- against transformers, and the first step -------------------------------------------------
+def test_side_log_probs_are_transformers_and_the_first_step_is_ln2(chat_run, pairs_file, tmp_path):
+    """Each side of the first batch's pairs through transformers (float64): the sum of its
+    response tokens' log-probabilities (return_assistant_tokens_mask over prompt + response)
+    is ours within 1e-4; at step 0 the policy is the reference: the loss is ln 2, the rewards
+    and margin 0, and the step says how many pairs it saw."""
+    _, theirs, hf_tok, _, _ = chat_run
+    records = pairs_file[1]
+    c = config(chat_run, pairs_file, tmp_path)
+    pipe, trainer, params = prepared(c, tmp_path)
+    batch = pipe.device_batch(0)
+    chosen, rejected = jax.device_get(jax.jit(lambda p, b: trainer.objective.sides_logps(
+        trainer.token_losses(p, b), b))(params, batch))
+    rows = pipe.conversations(0, c.data.batch_size)
+    n = 0
+    for r, row in enumerate(rows):
+        for k, i in enumerate(row):
+            prompt, ch, rj = chat.pair_of(records[i])
+            for side, got in ((ch, chosen[r, k]), (rj, rejected[r, k])):
+                out = hf_tok.apply_chat_template(prompt + side, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+                ids, mask = np.array(out["input_ids"]), np.array(out["assistant_masks"])
+                if sum(m["role"] == "assistant" for m in prompt):  # the prompt's own turns out
+                    start = len(hf_tok(hf_tok.apply_chat_template(
+                        prompt, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)["input_ids"])
+                    mask[:start] = 0
+                with torch.no_grad():
+                    logp = torch.log_softmax(theirs(torch.tensor(ids[None])).logits[0], -1).numpy()
+                want = float((logp[np.arange(len(ids) - 1), ids[1:]] * mask[1:]).sum())
+                assert abs(got - want) < 1e-4 * abs(want), (got, want)
+            n += 1
+    assert n > c.data.batch_size  # rows hold several pairs
+    state = trainer.state_of(params)
+    _, metrics = jax.device_get(jax.jit(trainer._train_step)(state, batch))
+    assert abs(float(metrics["loss"]) - math.log(2)) < 1e-5
+    for key in ("reward_chosen", "reward_rejected", "reward_margin"):
+        assert abs(float(metrics[key])) < 1e-5, key
+    assert int(metrics["pairs"]) == n
+    pipe.close()
+
+
+MESHES = [  # (impl, layout, mesh, microbatches)
+    ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
+    ("ring", "zigzag", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
+    ("usp", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
+    ("ring", "contiguous", {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, 2),
+]
+
+
+def step_of(chat_run, pairs_file, tmp_path, impl, layout, mesh, microbatches, shift):
+    """(loss, metrics, gradient norm, gradients) of the first batch, the reference shifted by
+    ``shift`` (so the loss is not at its ln 2 start and every gradient term counts)."""
+    c = config(chat_run, pairs_file, tmp_path, mesh)
+    c.attention.update(impl=impl, layout=layout, ulysses=2)
+    c.train.microbatches = microbatches
+    c.dpo.update(rpo_alpha=0.5, label_smoothing=0.1)
+    pipe, trainer, params = prepared(c, tmp_path, jax.devices()[:8] if mesh else None)
+    for rows in (pipe._train_rows, pipe._heldout_rows):
+        rows.ref = rows.ref + shift[:rows.ref.size]
+    loss, _, grads, metrics = jax.jit(trainer.gradients)(params, pipe.device_batch(0))
+    pipe.close()
+    grads = jax.device_get(grads)
+    norm = float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads))))
+    return float(loss), jax.device_get(metrics), norm, grads
+
+
+@pytest.fixture(scope="module")
+def shift():
+    return np.random.default_rng(9).normal(0, 3, 1000)
+
+
+@pytest.fixture(scope="module")
+def one_device(chat_run, pairs_file, tmp_path_factory, shift):
+    return step_of(chat_run, pairs_file, tmp_path_factory.mktemp("one"), "dense", "contiguous",
+                   None, 1, shift)
+
+
+@pytest.mark.parametrize("impl,layout,mesh,microbatches", MESHES,
+                         ids=[f"{i}-{lay}-{'x'.join(map(str, m.values()))}-mb{k}"
+                              for i, lay, m, k in MESHES])
+def test_the_same_step_on_any_mesh_layout_strategy_and_microbatching(
+        chat_run, pairs_file, one_device, shift, tmp_path, impl, layout, mesh, microbatches):
+    loss, metrics, norm, grads = step_of(chat_run, pairs_file, tmp_path, impl, layout, mesh,
+                                         microbatches, shift)
+    want_loss, want_metrics, want_norm, want_grads = one_device
+    assert abs(loss - want_loss) < 1e-5 * abs(want_loss)
+    assert abs(loss - math.log(2)) > 0.05  # away from the start: the gradients carry the loss
+    for key in ("pairs", "tokens", "reward_accuracy"):
+        assert float(metrics[key]) == float(want_metrics[key]), key
+    for key in ("reward_chosen", "reward_rejected", "reward_margin", "dpo_loss"):
+        assert abs(float(metrics[key]) - float(want_metrics[key])) < 1e-4 * max(
+            1.0, abs(float(want_metrics[key]))), key
+    assert abs(norm - want_norm) < 1e-5 * want_norm
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+# -- records ----------------------------------------------------------------------------------
+def test_pair_formats_and_bad_records():
+    user, answer = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+    other = {"role": "assistant", "content": "b"}
+    assert chat.pair_of({"prompt": "q", "chosen": "a", "rejected": "b"}) == ([user], [answer], [other])
+    assert chat.pair_of({"prompt": [user], "chosen": [answer], "rejected": [other]}) == \
+        ([user], [answer], [other])
+    # implicit prompt: two whole conversations that part at the last answer
+    system = {"role": "system", "content": "s"}
+    assert chat.pair_of({"chosen": [system, user, answer], "rejected": [system, user, other]}) == \
+        ([system, user], [answer], [other])
+    for record, why in (({"prompt": "q", "chosen": "a"}, "no 'rejected' field"),
+                        ({"prompt": "q", "chosen": [user], "rejected": "b"},
+                         "chosen holds no assistant turn"),
+                        ({"chosen": [answer], "rejected": [other]}, "share no first message"),
+                        ({"prompt": 3, "chosen": "a", "rejected": "b"}, "'prompt' is int"),
+                        ("text", "the record is str")):
+        with pytest.raises(chat.BadConversation, match=why):
+            chat.pair_of(record)
+
+
+def test_bad_records_are_counted_and_a_file_without_pairs_is_one_line(
+        chat_run, pairs_file, tmp_path):
+    rng = np.random.default_rng(1)
+    good = [pair(rng) for _ in range(10)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", good[:3] + [{"prompt": "x", "chosen": "y"},
+                                                             {"messages": []}] + good[3:])
+    pipe = make_pipeline(config(chat_run, pairs_file, tmp_path, path=str(path)),
+                         make_mesh(config(chat_run, pairs_file, tmp_path).mesh, jax.devices()[:1]))
+    assert (pipe.tally.read, pipe.tally.bad, pipe.conversations_read) == (12, 2, 10)
+    assert f"2 not preference pairs (first: {path} line 4: no 'rejected' field" in pipe.plan_line()
+    with pytest.raises(DataError, match="the reference log-probabilities are not computed yet"):
+        pipe.device_batch(0)
+    none = write_jsonl(tmp_path / "none.jsonl", [{"messages": []}])
+    c = config(chat_run, pairs_file, tmp_path, path=str(none))
+    with pytest.raises(DataError, match=r"no preference pair to train in .*none.jsonl: 1 not "
+                                        r"preference pairs|no preference pair to train") as e:
+        make_pipeline(c, make_mesh(c.mesh, jax.devices()[:1]))
+    assert "\n" not in str(e.value)
+
+
+# -- a whole run ------------------------------------------------------------------------------
+def dpo_run(chat_run, pairs_file, workdir, *flags):
+    import trained_run as tr
+    from configs.loading import load
+    config = load(f"configs/dpo.py:{chat_run[0]}", [
+        f"data.path={pairs_file[0]}", f"data.seq_len={SEQ}", "data.batch_size=4",
+        "data.heldout_fraction=0.2", f"data.cache_dir={workdir.parent / 'cache'}",
+        "model.dtype=float32", "attention.block_q=16", "attention.block_kv=16",
+        "train.steps=4", "train.lr=1e-3", "train.warmup_steps=0", "train.log_every=1",
+        "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2", *flags])
+    return tr.entry_of(config, workdir)
+
+
+def test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports(chat_run, pairs_file, tmp_path):
+    import trained_run as tr
+    from scripts import convert_hf
+    whole = tmp_path / "whole"
+    done = dpo_run(chat_run, pairs_file, whole)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "data: preference pairs, 30 records read" in out and "24 train / 5 held out" in out
+    assert "held out: 1 pair(s) longer than 256 tokens, 1 dropped" in out
+    assert "reference log-probabilities of 24 train and 5 held-out pairs computed" in out
+    metrics, evals = tr.metrics(whole), tr.evals(whole)
+    assert abs(metrics[1]["loss"] - math.log(2)) < 1e-5 and metrics[1]["pairs"] > 4
+    assert metrics[4]["loss"] < metrics[1]["loss"]
+    assert abs(evals[0]["eval_loss"] - math.log(2)) < 1e-5 and evals[0]["eval_reward_margin"] == \
+        pytest.approx(0, abs=1e-5)
+    assert evals[4]["eval_reward_margin"] > 0 and evals[4]["eval_loss"] < math.log(2)
+    # resumed after step 2's checkpoint: the stored reference, the same losses to the last bit
+    half = tmp_path / "half"
+    shutil.copytree(whole, half)
+    shutil.rmtree(half / "checkpoints" / "4")
+    resumed = dpo_run(chat_run, pairs_file, half)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"reference log-probabilities: {half / 'reference_logps.npz'}" in resumed.stdout
+    assert [tr.metrics(half)[s]["loss"] for s in (3, 4)] == [metrics[s]["loss"] for s in (3, 4)]
+    (half / "reference_logps.npz").unlink()
+    missing = dpo_run(chat_run, pairs_file, half)
+    assert missing.returncode == 2 and "reference_logps.npz is missing" in missing.stderr
+    assert convert_hf.main(["export", "--run", str(whole), "--out", str(tmp_path / "out"),
+                            "--dtype", "float32"]) == 0
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.num_hidden_layers == 2
