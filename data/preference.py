@@ -22,18 +22,15 @@ at its first token, zero elsewhere (so any layout permutation keeps them).
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import pathlib
 
 import numpy as np
 
-from data import chat, files, split
+from data import chat
 from data.chat import BadConversation
 from data.chat_template import TemplateError
-from data.iterator import TrainIterator
-from data.sft import ChatPipeline, ChatRows, Conversations, _limited, best_fit, cached, row_arrays
+from data.sft import ChatPipeline, ChatRows, Conversations, row_arrays
 from errors import CheckpointError, DataError
 
 REFERENCE_FILE = "reference_logps.npz"
@@ -130,60 +127,30 @@ class PairRows(ChatRows):
 class PreferencePipeline(ChatPipeline):
     """``data.format=preference``: Pipeline's batches over rows of packed pairs, each batch with
     the reference's log-probabilities (after ``prepare``)."""
+    WORDS = {"kind": "preference pairs", "unit": "pair", "what": "preference pair",
+             "bad": "not preference pairs",
+             "truncated": "cut to half a row each side", "trained": "response tokens"}
+
+    SIDES = 2
+    ROWS = PairRows
 
     def __init__(self, config, mesh):
-        d = config.data
-        self._init_batches(config, mesh)
-        self._init_records(config)
-        key = "\0".join(["preference", self.source.record_signature(),
-                         f"max_docs={int(d.max_docs)}", self.fingerprint, self.template.digest])
-
-        def make():
-            tally = chat.Tally()
-            records = _limited(self.source.records(), int(d.max_docs))
-            conv = tokenize_pairs(records, self.template, self.tokenizer, tally)
-            return conv, {"tally": dataclasses.asdict(tally),
-                          "bad_records": dataclasses.asdict(files.tally(self.source.parts))}
-
-        conv, notes, self.cache_path = cached(d.cache_dir, key, make)
-        self.tally = chat.Tally(**notes["tally"])
-        self.bad_records = files.BadRecords(**notes["bad_records"])
-        n_pairs = conv.count // 2
-        if n_pairs == 0:
-            raise DataError(f"no preference pair to train in {self.source.description}: "
-                            f"{self._passed_over() or 'it holds none'}")
-        self.conversations_read = n_pairs
-        train, held = split.heldout_split(n_pairs, float(d.heldout_fraction))
-        train_conv, train, self._train_origin = fit_pairs(conv, train, self.seq_len,
-                                                          self.too_long, self.tally)
-        self.heldout_tally = chat.Tally()
-        held_conv, held, self._held_origin = fit_pairs(conv, held, self.seq_len, self.too_long,
-                                                       self.heldout_tally)
-        if train.size == 0:
-            raise DataError(f"every training pair is longer than data.seq_len={self.seq_len} "
-                            f"tokens, both sides together (data.too_long={self.too_long}); "
-                            f"raise data.seq_len or set data.too_long=truncate")
-        size = lambda c, ps: c.lengths[2 * ps] + c.lengths[2 * ps + 1]  # noqa: E731
-        self.train_rows_packed = [[int(train[j]) for j in row]
-                                  for row in best_fit(size(train_conv, train), self.seq_len)]
-        held_rows = [[int(held[j]) for j in row] for row in best_fit(size(held_conv, held),
-                                                                      self.seq_len)]
-        self.train_conversations, self.heldout_conversations = int(train.size), int(held.size)
-        self.train_tokens = int(size(train_conv, train).sum())
-        self.trained_tokens = int(sum(train_conv.one(int(s))[1][1:].sum()
-                                      for p in train for s in (2 * p, 2 * p + 1)))
-        self.shuffle_seed = int(d.shuffle_seed)
-        self._train_rows = PairRows(train_conv, self.train_rows_packed, self.seq_len, self.eos_id,
-                                    self.shuffle_seed)
-        self._heldout_rows = PairRows(held_conv, held_rows, self.seq_len, self.eos_id, None)
-        self.plan_digest = hashlib.sha256(
-            json.dumps([self.train_rows_packed, held_rows]).encode()).hexdigest()[:16]
-        identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
-                    "documents": self.train_conversations, "shuffle_seed": self.shuffle_seed,
-                    "data_plan": self.plan_digest}
-        self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
-                                   int(d.prefetch), identity)
         self.prepared = False
+        super().__init__(config, mesh)
+
+    def _cache_key(self, d) -> str:
+        return "\0".join(["preference", self.source.record_signature(),
+                          f"max_docs={int(d.max_docs)}", self.fingerprint, self.template.digest])
+
+    def _tokenize(self, records, d, tally) -> Conversations:
+        return tokenize_pairs(records, self.template, self.tokenizer, tally)
+
+    def _fit(self, conv, ids, tally):
+        return fit_pairs(conv, ids, self.seq_len, self.too_long, tally)
+
+    @staticmethod
+    def _sizes(conv, pairs) -> np.ndarray:
+        return conv.lengths[2 * pairs] + conv.lengths[2 * pairs + 1]
 
     def device_batch(self, first_row: int, heldout: bool = False) -> dict:
         if not self.prepared:
@@ -247,26 +214,3 @@ class PreferencePipeline(ChatPipeline):
         from data import batching
         block = {k: v[self._rows] for k, v in host.items()}
         return batching.to_global(self.in_layout(block), self.sharding, self.global_shape)
-
-    # -- facts for logs --------------------------------------------------------------------
-    def plan_line(self) -> str:
-        t = self.tally
-        rows = self.rows_per_epoch
-        said = [f"data: preference pairs, {t.read} records read from "
-                f"{self.source.description}, {self.conversations_read} pairs"]
-        passed = self._passed_over().replace("not conversations", "not preference pairs")
-        if passed:
-            said.append("passed over: " + passed)
-        if t.too_long:
-            cut = (f", {t.cut_to_nothing} of them then with nothing to train: dropped"
-                   if t.cut_to_nothing else "")
-            said.append(f"{t.too_long} training pair(s) longer than {self.seq_len} tokens "
-                        f"{'dropped' if self.too_long == 'drop' else 'cut to half a row each side'}"
-                        f" (data.too_long={self.too_long}; first: {t.first_too_long}){cut}")
-        said.append(self._heldout_too_long("pair"))
-        said.append(f"{self.train_conversations} train / {self.heldout_conversations} held out; "
-                    f"{rows} rows of {self.seq_len} ({self.train_tokens / (rows * self.seq_len):.0%} "
-                    f"filled); response tokens {self.trained_tokens / (rows * self.seq_len):.1%} "
-                    f"of the rows; chat template {self.template.where}"
-                    f"{'' if self.template.marked else ' (turn by turn: no generation marks)'}")
-        return "; ".join(x for x in said if x)

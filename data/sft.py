@@ -237,55 +237,73 @@ class ChatPipeline(Pipeline):
     """``data.format=chat``: Pipeline's batches (layout, sharding, held-out batches) over rows
     of packed conversations."""
 
+    SIDES = 1  # sequences per unit: a conversation (a preference pair has 2)
+    ROWS = ChatRows
+
     def __init__(self, config, mesh):
         d = config.data
         self._init_batches(config, mesh)
         self._init_records(config)
-        key = "\0".join([self.source.record_signature(), f"max_docs={int(d.max_docs)}",
-                         self.fingerprint, self.template.digest, self.train_on, d.messages_field])
+        w = self.WORDS
 
         def make():
             tally = chat.Tally()
-            records = _limited(self.source.records(), int(d.max_docs))
-            conv = tokenize(records, self.template, self.tokenizer, self.train_on,
-                            d.messages_field, tally)
+            conv = self._tokenize(_limited(self.source.records(), int(d.max_docs)), d, tally)
             return conv, {"tally": dataclasses.asdict(tally),
                           "bad_records": dataclasses.asdict(files.tally(self.source.parts))}
 
-        conv, notes, self.cache_path = cached(d.cache_dir, key, make)
+        conv, notes, self.cache_path = cached(d.cache_dir, self._cache_key(d), make)
         self.tally = chat.Tally(**notes["tally"])
         self.bad_records = files.BadRecords(**notes["bad_records"])
-        if conv.count == 0:
-            raise DataError(f"no conversation to train in {self.source.description}: "
+        units = conv.count // self.SIDES
+        if units == 0:
+            raise DataError(f"no {w['what']} to train in {self.source.description}: "
                             f"{self._passed_over() or 'it holds none'}")
-        train_ids, held_ids = split.heldout_split(conv.count, float(d.heldout_fraction))
-        self.conversations_read = conv.count
-        train_conv, train_ids, self._train_origin = fit(conv, train_ids, self.seq_len,
-                                                        self.too_long, self.tally)
+        self.conversations_read = units
+        train_ids, held_ids = split.heldout_split(units, float(d.heldout_fraction))
+        train_conv, train_ids, self._train_origin = self._fit(conv, train_ids, self.tally)
         self.heldout_tally = chat.Tally()
-        held_conv, held_ids, self._held_origin = fit(conv, held_ids, self.seq_len, self.too_long,
-                                                     self.heldout_tally)
+        held_conv, held_ids, self._held_origin = self._fit(conv, held_ids, self.heldout_tally)
         if train_ids.size == 0:
-            raise DataError(f"every training conversation is longer than data.seq_len="
+            raise DataError(f"every training {w['unit']} is longer than data.seq_len="
                             f"{self.seq_len} tokens (data.too_long={self.too_long}); raise "
                             f"data.seq_len or set data.too_long=truncate")
         self.train_rows_packed = [[int(train_ids[j]) for j in row]
-                                  for row in best_fit(train_conv.lengths[train_ids], self.seq_len)]
+                                  for row in best_fit(self._sizes(train_conv, train_ids), self.seq_len)]
         held_rows = [[int(held_ids[j]) for j in row]
-                     for row in best_fit(held_conv.lengths[held_ids], self.seq_len)]
+                     for row in best_fit(self._sizes(held_conv, held_ids), self.seq_len)]
         self.train_conversations, self.heldout_conversations = int(train_ids.size), int(held_ids.size)
-        self.train_tokens = int(train_conv.lengths[train_ids].sum())
-        self.trained_tokens = int(sum(train_conv.one(int(i))[1][1:].sum() for i in train_ids))
+        self.train_tokens = int(self._sizes(train_conv, train_ids).sum())
+        seqs = [self.SIDES * int(i) + k for i in train_ids for k in range(self.SIDES)]
+        self.trained_tokens = int(sum(train_conv.one(q)[1][1:].sum() for q in seqs))
         self.shuffle_seed = int(d.shuffle_seed)
-        self._train_rows = ChatRows(train_conv, self.train_rows_packed, self.seq_len, self.eos_id,
-                                    self.shuffle_seed)
-        self._heldout_rows = ChatRows(held_conv, held_rows, self.seq_len, self.eos_id, None)
-        plan = hashlib.sha256(json.dumps(self.train_rows_packed).encode()).hexdigest()[:16]
+        self._train_rows = self.ROWS(train_conv, self.train_rows_packed, self.seq_len, self.eos_id,
+                                     self.shuffle_seed)
+        self._heldout_rows = self.ROWS(held_conv, held_rows, self.seq_len, self.eos_id, None)
+        self.plan_digest = hashlib.sha256(
+            json.dumps([self.train_rows_packed, held_rows]).encode()).hexdigest()[:16]
         identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
                     "documents": self.train_conversations, "shuffle_seed": self.shuffle_seed,
-                    "data_plan": plan}
+                    "data_plan": hashlib.sha256(json.dumps(self.train_rows_packed).encode())
+                    .hexdigest()[:16]}
         self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
                                    int(d.prefetch), identity)
+
+    # -- what a unit is: overridden by data/preference.py --------------------------------------
+    def _cache_key(self, d) -> str:
+        return "\0".join([self.source.record_signature(), f"max_docs={int(d.max_docs)}",
+                          self.fingerprint, self.template.digest, self.train_on, d.messages_field])
+
+    def _tokenize(self, records, d, tally) -> Conversations:
+        return tokenize(records, self.template, self.tokenizer, self.train_on,
+                        d.messages_field, tally)
+
+    def _fit(self, conv, ids, tally):
+        return fit(conv, ids, self.seq_len, self.too_long, tally)
+
+    @staticmethod
+    def _sizes(conv, ids) -> np.ndarray:
+        return conv.lengths[ids]
 
     def _init_records(self, config) -> None:
         """The source of records, the model's tokenizer and the chat template (one line for
@@ -337,32 +355,38 @@ class ChatPipeline(Pipeline):
     def _passed_over(self) -> str:
         t, said = self.tally, []
         if t.bad:
-            said.append(f"{t.bad} not conversations (first: {t.first_bad})")
+            said.append(f"{t.bad} {self.WORDS['bad']} (first: {t.first_bad})")
         if t.empty:
             said.append(f"{t.empty} with nothing to train under data.train_on={self.train_on} "
                         f"(first: {t.first_empty})")
         return "; ".join(said)
 
+    # the startup line's words for what this pipeline reads (data/preference.py has its own)
+    WORDS = {"kind": "chat", "unit": "conversation", "what": "conversation",
+             "bad": "not conversations",
+             "truncated": "truncated", "trained": "trained tokens"}
+
     def plan_line(self) -> str:
-        """The startup line: conversations read and passed over, rows, the trained fraction."""
-        t = self.tally
+        """The startup line: records read and passed over, rows, the trained fraction."""
+        t, w = self.tally, self.WORDS
         rows = self.rows_per_epoch
-        said = [f"data: chat, {t.read} records read from {self.source.description}, "
-                f"{self.conversations_read} conversations"]
+        said = [f"data: {w['kind']}, {t.read} records read from {self.source.description}, "
+                f"{self.conversations_read} {w['unit']}s"]
         passed = self._passed_over()
         if passed:
             said.append("passed over: " + passed)
         if t.too_long:
             cut = (f", {t.cut_to_nothing} of them then with nothing to train: dropped"
                    if t.cut_to_nothing else "")
-            said.append(f"{t.too_long} training conversation(s) longer than {self.seq_len} "
-                        f"tokens {'dropped' if self.too_long == 'drop' else 'truncated'} "
+            said.append(f"{t.too_long} training {w['unit']}(s) longer than {self.seq_len} "
+                        f"tokens {'dropped' if self.too_long == 'drop' else w['truncated']} "
                         f"(data.too_long={self.too_long}; first: {t.first_too_long}){cut}")
-        said.append(self._heldout_too_long("conversation"))
+        said.append(self._heldout_too_long(w["unit"]))
+        on = f" (data.train_on={self.train_on})" if w["kind"] == "chat" else ""
         said.append(f"{self.train_conversations} train / {self.heldout_conversations} held out; "
                     f"{rows} rows of {self.seq_len} ({self.train_tokens / (rows * self.seq_len):.0%} "
-                    f"filled); trained tokens {self.trained_tokens / (rows * self.seq_len):.1%} of "
-                    f"the rows (data.train_on={self.train_on}); chat template {self.template.where}"
+                    f"filled); {w['trained']} {self.trained_tokens / (rows * self.seq_len):.1%} "
+                    f"of the rows{on}; chat template {self.template.where}"
                     f"{'' if self.template.marked else ' (turn by turn: no generation marks)'}")
         return "; ".join(x for x in said if x)
 

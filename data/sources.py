@@ -223,24 +223,21 @@ class HFSource(Source):
         return datasets.load_dataset(self.path, name=self.hf_config or None, split=self.split,
                                      streaming=self.streaming, cache_dir=self.cache_dir)
 
-    def documents(self) -> Iterator[str]:
+    def _loaded(self):
         try:
-            ds = self._load()
+            return self._load()
         except DataError:
             raise
         except Exception as e:
             raise DataError(f"cannot load {self.description}: {one_line(e)}") from None
+
+    def documents(self) -> Iterator[str]:
+        ds = self._loaded()
         yield from _rows_as_text(_text_column(ds, self.text_field, self.description),
                                  self.text_field, self.description)
 
     def records(self) -> Iterator[tuple[str, object]]:
-        try:
-            ds = self._load()
-        except DataError:
-            raise
-        except Exception as e:
-            raise DataError(f"cannot load {self.description}: {one_line(e)}") from None
-        for n, row in enumerate(ds):
+        for n, row in enumerate(self._loaded()):
             yield f"{self.description} row {n}", row
 
     def record_signature(self) -> str:

@@ -18,7 +18,7 @@ from data.pipeline import make_pipeline
 from errors import DataError
 from model import preference
 from parallel.mesh import make_mesh
-from test_sft import SEQ, chat_run, say, write_jsonl  # noqa: F401  (chat_run: a fixture)
+from test_sft import MESHES, SEQ, chat_run, entry_run, say, write_jsonl  # noqa: F401
 from training.state import Trainer
 
 
@@ -160,14 +160,6 @@ def test_side_log_probs_are_transformers_and_the_first_step_is_ln2(chat_run, pai
     pipe.close()
 
 
-MESHES = [  # (impl, layout, mesh, microbatches)
-    ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
-    ("ring", "zigzag", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
-    ("usp", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
-    ("ring", "contiguous", {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, 2),
-]
-
-
 def step_of(chat_run, pairs_file, tmp_path, impl, layout, mesh, microbatches, shift):
     """(loss, metrics, gradient norm, gradients) of the first batch, the reference shifted by
     ``shift`` (so the loss is not at its ln 2 start and every gradient term counts)."""
@@ -252,22 +244,15 @@ def test_bad_records_are_counted_and_a_file_without_pairs_is_one_line(
     none = write_jsonl(tmp_path / "none.jsonl", [{"messages": []}])
     c = config(chat_run, pairs_file, tmp_path, path=str(none))
     with pytest.raises(DataError, match=r"no preference pair to train in .*none.jsonl: 1 not "
-                                        r"preference pairs|no preference pair to train") as e:
+                                        r"preference pairs \(first: .* no 'chosen' or 'rejected'") as e:
         make_pipeline(c, make_mesh(c.mesh, jax.devices()[:1]))
     assert "\n" not in str(e.value)
 
 
 # -- a whole run ------------------------------------------------------------------------------
 def dpo_run(chat_run, pairs_file, workdir, *flags):
-    import trained_run as tr
-    from configs.loading import load
-    config = load(f"configs/dpo.py:{chat_run[0]}", [
-        f"data.path={pairs_file[0]}", f"data.seq_len={SEQ}", "data.batch_size=4",
-        "data.heldout_fraction=0.2", f"data.cache_dir={workdir.parent / 'cache'}",
-        "model.dtype=float32", "attention.block_q=16", "attention.block_kv=16",
-        "train.steps=4", "train.lr=1e-3", "train.warmup_steps=0", "train.log_every=1",
-        "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2", *flags])
-    return tr.entry_of(config, workdir)
+    return entry_run("configs/dpo.py", chat_run, pairs_file[0], workdir,
+                     "data.heldout_fraction=0.2", "train.lr=1e-3", *flags)
 
 
 def test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports(chat_run, pairs_file, tmp_path):

@@ -305,17 +305,23 @@ def test_an_hf_dataset_on_disk_reads_as_the_jsonl_does(chat_run, tmp_path):
 
 
 # -- a whole run: train, resume, generate, export ---------------------------------------------
-def sft_run(chat_run, workdir, *flags):
-    """train.py's entry after ``--config configs/sft.py:RUN --config.a.b=v ...``, in process."""
+def entry_run(config_file, chat_run, data, workdir, *flags):
+    """train.py's entry after ``--config CONFIG_FILE:RUN --config.a.b=v ...`` (4 steps of 4 rows,
+    a checkpoint and an evaluation every 2), in process."""
     import trained_run as tr
     from configs.loading import load
-    config = load(f"configs/sft.py:{chat_run[0]}", [
-        f"data.path={chat_run[3]}", f"data.seq_len={SEQ}", "data.batch_size=4",
-        "data.heldout_fraction=0.1", f"data.cache_dir={workdir.parent / 'cache'}",
-        "model.dtype=float32", "attention.block_q=16", "attention.block_kv=16",
-        "train.steps=4", "train.lr=3e-3", "train.warmup_steps=0", "train.log_every=1",
-        "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2", *flags])
+    config = load(f"{config_file}:{chat_run[0]}", [
+        f"data.path={data}", f"data.seq_len={SEQ}", "data.batch_size=4",
+        f"data.cache_dir={workdir.parent / 'cache'}", "model.dtype=float32",
+        "attention.block_q=16", "attention.block_kv=16", "train.steps=4", "train.warmup_steps=0",
+        "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2",
+        *flags])
     return tr.entry_of(config, workdir)
+
+
+def sft_run(chat_run, workdir, *flags):
+    return entry_run("configs/sft.py", chat_run, chat_run[3], workdir,
+                     "data.heldout_fraction=0.1", "train.lr=3e-3", *flags)
 
 
 def test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports(chat_run, tmp_path):
