@@ -6,7 +6,7 @@ Run:  python train.py --config configs/dpo.py:RUN_DIR --workdir runs/dpo --confi
 template and weights, which are also the reference.) Data: JSONL or an HF dataset of TRL's
 preference records: {"prompt": [messages] or "text", "chosen": [assistant messages] or "text",
 "rejected": ...}, or chosen/rejected as whole conversations sharing their prompt;
-`python scripts/make_chat_data.py pairs --from data/examples/stdlib_qa.jsonl --out PAIRS.jsonl`
+  python scripts/make_chat_data.py pairs --from data/examples/stdlib_qa.jsonl --out PAIRS.jsonl
 makes pairs of the real answer against another question's.
 Shows: "data: preference pairs, N records read ..., T train / H held out; R rows ...", "reference
 log-probabilities of ... pairs computed with the starting weights" (once; a resume reads them),
