@@ -377,3 +377,34 @@ def test_generate_chat_gives_transformers_greedy_reply(chat_run, capsys):
     assert got["ids"] == want
     assert generate.main(["--run", str(run), "--system", "x", "--prompt", "y"]) == 2
     assert "--system is a chat's system message: give --chat too" in capsys.readouterr().err
+
+
+def test_the_shipped_examples_answer_from_the_librarys_own_docstrings():
+    """data/examples/stdlib_qa.jsonl (scripts/make_chat_data.py qa): 400 conversations, each
+    first answer the signature and the first paragraph of the docstring of the function or class
+    asked about, as the library's source file has it (read here with ast)."""
+    import ast
+    import re
+    import sysconfig
+    path = pathlib.Path(__file__).resolve().parent.parent / "data" / "examples" / "stdlib_qa.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 400
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    checked, trees = 0, {}
+    for r in records:
+        messages = chat.messages_of(r)
+        answer = next(m["content"] for m in messages if m["role"] == "assistant")
+        dotted, doc = re.match(r"`([\w.]+)\(.*?\)`: (.*)", answer, flags=re.S).groups()
+        module, name = dotted.rsplit(".", 1)
+        base = stdlib / module.replace(".", "/")
+        source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if not source.is_file():  # a Python whose library lacks the module: not checked
+            continue
+        if source not in trees:
+            trees[source] = ast.parse(source.read_text(encoding="utf-8"))
+        node = next(n for n in trees[source].body if getattr(n, "name", None) == name)
+        own = " ".join(line.strip() for line in ast.get_docstring(node).strip()
+                       .split("\n\n")[0].splitlines())
+        assert doc == own, dotted
+        checked += 1
+    assert checked > 300
