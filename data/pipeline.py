@@ -17,30 +17,18 @@ RoPE positions), ``segment_ids`` (int32, documents 1.. within a row, 0 for paddi
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
-from data import batching, files, mixture, packing, selection, sources, tokenizer as tok_lib, tokens
+from data import files, mixture, packing, selection, sources, tokenizer as tok_lib, tokens
+from data.batches import Batches, Layout  # noqa: F401  (Layout: part of the public API)
 from data.batching import from_layout, to_layout  # noqa: F401  (part of the public API)
 from data.iterator import TrainIterator
 from errors import DataError
-from parallel import layouts
-from parallel.mesh import batch_shards
 
 __all__ = ["Pipeline", "make_pipeline", "to_layout", "from_layout", "DataError"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    num_shards: int
-    stripe: int
-
-    def perm(self, seq_len: int) -> np.ndarray:
-        return layouts.permutation(self.name, seq_len, self.num_shards, self.stripe)
 
 
 class RowSource:
@@ -73,7 +61,9 @@ class RowSource:
         return {k: np.concatenate([p[k] for p in parts]) for k in packing.KEYS}
 
 
-class Pipeline:
+class Pipeline(Batches):
+    """Text documents (``data.format=text``): packed as one stream into rows."""
+
     def __init__(self, config, mesh: Mesh):
         d = config.data
         self._init_batches(config, mesh)
@@ -93,22 +83,6 @@ class Pipeline:
         plain = {"data_plan": mixture.digest(self.selection.unfiltered_train)}
         self.train = TrainIterator(self.device_batch, self.batch_size, self.rows_per_epoch,
                                    int(d.prefetch), identity, defaults=plain)
-
-    def _init_batches(self, config, mesh: Mesh) -> None:
-        """The batches' shape, layout and sharding, this process's block of them: what every
-        kind of data (text, chat) shares."""
-        d = config.data
-        self.seq_len, self.batch_size = int(d.seq_len), int(d.batch_size)
-        self.layout = Layout(config.attention.layout, int(mesh.shape["sequence"]),
-                             int(config.attention.stripe))
-        _check_shapes(self.seq_len, self.batch_size, self.layout, mesh)
-        _check_data_fields(d)
-        self.mesh = mesh
-        self.sharding = batching.batch_sharding(mesh)
-        self.global_shape = (self.batch_size, self.seq_len)
-        self._rows, self._cols = batching.process_block(self.sharding, self.global_shape)
-        self._perm = self.layout.perm(self.seq_len)
-        self.bad_records = files.BadRecords()
 
     def _read(self, d, vocab: int) -> None:
         """The tokenizer and the tokenized corpus, one part per source, both cached."""
@@ -151,58 +125,9 @@ class Pipeline:
         return bool(self.min_doc_tokens or self.source.weights is not None
                     or (self.long_doc_tokens and self.long_doc_upsample > 1))
 
-    # -- batches -------------------------------------------------------------------------
-    def host_batch(self, first_row: int, heldout: bool = False, natural: bool = False) -> dict:
-        """This process's block of the batch whose first global row is ``first_row``, as numpy
-        (the whole batch when there is one process), in layout order; with ``natural``, this
-        process's rows with every column in natural order instead."""
-        rows = self._heldout_rows if heldout else self._train_rows
-        batch = rows.rows(first_row + self._rows.start, self._rows.stop - self._rows.start)
-        if natural:
-            return batch
-        return self.in_layout(batch)
-
-    def in_layout(self, rows: dict) -> dict:
-        """This process's rows (natural order) with its columns of the layout."""
-        return {k: np.ascontiguousarray(v[:, self._perm[self._cols]]) for k, v in rows.items()}
-
-    def device_batch(self, first_row: int, heldout: bool = False) -> dict:
-        return batching.to_global(self.host_batch(first_row, heldout), self.sharding,
-                                  self.global_shape)
-
-    def heldout_batches(self, n: int) -> list[dict]:
-        """The same ``n`` batches every call, from held-out documents only, spread evenly over
-        the held-out set so that a few batches sample all of it rather than its first documents
-        (consecutive, then repeated, when it fills fewer than ``n`` batches)."""
-        return [self.device_batch(row, heldout=True) for row in self.heldout_rows(n)]
-
-    def heldout_rows(self, n: int) -> list[int]:
-        """First global row of each of the ``n`` held-out batches."""
-        rows = self._heldout_rows.rows_per_pass
-        if rows < n * self.batch_size:
-            return [i * self.batch_size for i in range(n)]
-        return [i * rows // n for i in range(n)]
-
-    def close(self) -> None:
-        """Stops the training iterator's prefetch thread."""
-        self.train.close()
-
-    # -- facts for logs ------------------------------------------------------------------
-    @property
-    def rows_per_epoch(self) -> int:
-        return self._train_rows.rows_per_pass
-
     @property
     def tokens_per_epoch(self) -> int:
         return int(self.corpus.lengths[self.epoch_docs].sum() + self.epoch_docs.size)
-
-    def bad_records_line(self) -> str:
-        """One line on what data.bad_records=skip passed over ("" when nothing)."""
-        b = self.bad_records
-        if not b:
-            return ""
-        return (f"data: data.bad_records=skip left out {b.skipped} record(s) that are not JSON "
-                f"and replaced invalid UTF-8 in {b.replaced} (first: {b.first})")
 
     def plan_line(self) -> str:
         """One line on what the filter, upsampling and mixture did ("" when none is on)."""
@@ -224,30 +149,6 @@ class Pipeline:
                 f"(weight {s.target:.1%}, x{s.repeat:.2f} its {s.documents} documents)"
                 for p, s in zip(self.source.parts, self.plan.shares)))
         return "; ".join(said)
-
-
-def _check_shapes(seq_len: int, batch_size: int, layout: Layout, mesh: Mesh) -> None:
-    if seq_len < 1 or batch_size < 1:
-        raise DataError(f"data.seq_len ({seq_len}) and data.batch_size ({batch_size}) must be >= 1")
-    shards = batch_shards(mesh)
-    if batch_size % shards:
-        raise DataError(f"data.batch_size={batch_size} is not divisible by the data x fsdp mesh axes "
-                        f"({shards}); use a multiple of {shards}")
-    try:
-        layouts.check(layout.name, seq_len, layout.num_shards, layout.stripe)
-    except layouts.LayoutError as e:
-        raise DataError(f"data.seq_len / attention.layout: {e}") from None
-
-
-def _check_data_fields(d) -> None:
-    """Checks that would otherwise only fail after minutes of reading and tokenizing."""
-    if int(d.max_docs) < 0:
-        raise DataError(f"data.max_docs={d.max_docs} must be >= 0 (0 reads every document)")
-    if not 0.0 <= float(d.heldout_fraction) < 1.0:
-        raise DataError(f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)")
-    if int(d.prefetch) < 0:
-        raise DataError(f"data.prefetch={d.prefetch} must be >= 0 (0 builds batches inline)")
-    mixture.check_fields(d)
 
 
 def make_pipeline(config, mesh: Mesh) -> Pipeline:

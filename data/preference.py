@@ -125,7 +125,7 @@ class PairRows(ChatRows):
 
 
 class PreferencePipeline(ChatPipeline):
-    """``data.format=preference``: Pipeline's batches over rows of packed pairs, each batch with
+    """``data.format=preference``: batches over rows of packed pairs, each batch with
     the reference's log-probabilities (after ``prepare``)."""
     WORDS = {"kind": "preference pairs", "unit": "pair", "what": "preference pair",
              "bad": "not preference pairs",

@@ -28,7 +28,7 @@ import numpy as np
 from data import chat, chat_template, files, split, tokenizer as tok_lib
 from data.chat import BadConversation
 from data.iterator import TrainIterator
-from data.pipeline import Pipeline
+from data.batches import Batches
 from errors import DataError
 
 VERSION = 1  # bump when rendering or masking changes, so old caches are not reused
@@ -233,9 +233,9 @@ def fit(conv: Conversations, ids: np.ndarray, seq_len: int, policy: str, tally: 
     return cut, np.arange(len(keep), dtype=np.int64), np.asarray(keep, np.int64)
 
 
-class ChatPipeline(Pipeline):
-    """``data.format=chat``: Pipeline's batches (layout, sharding, held-out batches) over rows
-    of packed conversations."""
+class ChatPipeline(Batches):
+    """``data.format=chat``: batches (layout, sharding, held-out batches: data/batches.py) over
+    rows of packed conversations."""
 
     SIDES = 1  # sequences per unit: a conversation (a preference pair has 2)
     ROWS = ChatRows

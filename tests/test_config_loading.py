@@ -28,7 +28,7 @@ def test_overrides_are_typed_like_the_field_they_replace():
     ("configs/tiny.py", ["modle.num_layers=3"],
      "config.modle.num_layers: no such field; nearest: model.num_layers,"),
     ("configs/tiny.py", ["xyzzy=3"], "config.xyzzy: no such field; the config has: attention, "
-                                     "checkpoint, data, distributed, mesh, model, name, train, "
+                                     "checkpoint, data, distributed, dpo, mesh, model, name, train, "
                                      "wandb"),
     ("configs/tiny.py", ["model.num_layers=two"], "config.model.num_layers='two': expected a int"),
     ("configs/tiny.py", ["attention.document_mask=maybe"],
