@@ -39,7 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Attention chosen per layer (model/pattern.py): a comma-separated list, one kind per layer,
     # each full | sliding | full_nope | sliding_nope (sliding: model.sliding_window; _nope: no
     # RoPE, as SmolLM3's every 4th layer). "" = every layer alike (sliding if sliding_window
-    # is set, else full). Gemma 3: five sliding, one full, repeated; the stack scans per repeat.
+    # is set, else full). Gemma 3: five sliding, one full, repeated; the stack is one scan
+    # over the layers, each step switching to its layer's kind.
     m.layer_types = ""
     # RoPE base of the sliding layers (Gemma 3's local layers: 10000, unscaled); 0 = the
     # model's own rope_theta and rope_scaling on every layer.

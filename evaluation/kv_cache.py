@@ -46,7 +46,7 @@ CACHE_TOKEN = P(None, BATCH_AXES, "tensor", None, None)  # every layer's new k o
 
 
 class Cache(NamedTuple):
-    k: jax.Array  # [layers, B, Hkv, S * C, D], compute dtype
+    k: jax.Array  # [layers, B, Hkv, S * C, D], the compute dtype as held_dtype holds it
     v: jax.Array
     pos: jax.Array  # [B, S * C] int32 true positions; EMPTY where no token
 
@@ -105,6 +105,25 @@ def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BKCD, v_BKCD, pos_BC, pos_B, *, wind
     return o_BKGD.reshape(b, 1, hq, d).astype(q_B1HD.dtype)
 
 
+def held_dtype(dtype, platform: str):
+    """The dtype a cache of keys and values in ``dtype`` is held in on ``platform``: on a CPU a
+    2-byte float (bf16) as its raw bits (uint16), else ``dtype`` itself. XLA's CPU backend has
+    no bf16 dynamic-slice or dynamic-update-slice: a decode step slicing a bf16 cache layer by
+    layer and writing its slot would convert the whole stacked cache to fp32 and back at every
+    token. Bits move as they are; a layer's slice is bf16 again where it is read (a bitcast)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if platform == "cpu" and dtype.itemsize == 2 else dtype
+
+
+def _hold(x, platform: str):
+    held = held_dtype(x.dtype, platform)
+    return x if held == x.dtype else jax.lax.bitcast_convert_type(x, held)
+
+
+def _unhold(x, dtype):
+    return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def _write_local(cache, new_LBK1D, slot, owner):
     """Writes the token's keys (or values) of every layer into ``slot`` on device ``owner``, in
     place: the other devices write back what the slot held."""
@@ -130,12 +149,14 @@ class Generator:
         self.sharded, self.mesh, self.config = sharded, sharded.mesh, sharded.config
         self.usable_vocab = int(usable_vocab)
         self.shards = int(self.mesh.shape["sequence"])
+        self.platform = self.mesh.devices.flat[0].platform
 
     # -- programs --------------------------------------------------------------------------
     @functools.lru_cache(maxsize=None)
     def _prefill(self, gen_slots: int, sampling: Sampling):
         """(params, tokens, positions, segments, last_B, key) -> (Cache, first token [B])."""
         graphdef, mesh, vocab = self.sharded.graphdef, self.mesh, self.usable_vocab
+        platform = self.platform
 
         def grow_local(c):  # [layers, b, Cp, h, d] -> [layers, b, h, Cp + G, d]
             return jnp.pad(c.swapaxes(2, 3), ((0, 0), (0, 0), (0, 0), (0, gen_slots), (0, 0)))
@@ -148,7 +169,7 @@ class Generator:
             model = nnx.merge(graphdef, params)
             x_BLD, (k, v) = model.hidden(tokens_BL, positions_BL, segments_BL, keep_kv=True)
             x_BD = jnp.take_along_axis(x_BLD, last_B[:, None, None], axis=1)[:, 0]
-            cache = Cache(grow(k), grow(v), cache_pos)
+            cache = Cache(grow(_hold(k, platform)), grow(_hold(v, platform)), cache_pos)
             return cache, pick(model.next_logits(x_BD), key, sampling, vocab)
 
         return jax.jit(prefill, in_shardings=(self.sharded.param_shardings, *[self._rows()] * 4,
@@ -160,6 +181,8 @@ class Generator:
         """(params, cache, token [B], position [B], t, key) -> (cache, next token [B]): the
         token's keys and values written at slot ``prompt_slots + t // S`` of device ``t % S``."""
         graphdef, mesh, vocab, S = self.sharded.graphdef, self.mesh, self.usable_vocab, self.shards
+        platform = self.platform
+
         def attend_for(window):  # a layer's cache read under its own window
             return jax.shard_map(functools.partial(_attend_local, window=window), mesh=mesh,
                                  in_specs=(TOKEN, TOKEN, TOKEN, LAYER, LAYER, ROWS,
@@ -177,6 +200,7 @@ class Generator:
             block_def, stacked = nnx.split(model.blocks)
             slot, owner = prompt_slots + t // S, t % S
             pos_B1 = pos_B[:, None]
+            dtype = model.dtype
 
             # The cache is read layer by layer as the scan's input, not carried: a carried
             # cache written inside the loop is copied whole by XLA at every layer (layers x
@@ -184,6 +208,7 @@ class Generator:
             # are written at once, in place, after it.
             def layer(x_B1D, xs, kind):
                 layer_state, kc_BKCD, vc_BKCD = xs
+                kc_BKCD, vc_BKCD = (_unhold(c, dtype) for c in (kc_BKCD, vc_BKCD))
                 # one token per row: whole on every sequence device (the weights' embed axis
                 # is split over fsdp x sequence, which would otherwise split D here)
                 x_B1D = jax.lax.with_sharding_constraint(x_B1D, token_rows)
@@ -193,13 +218,15 @@ class Generator:
                     x_B1D, pos_B1, None, kind=kind,
                     attention=lambda q, k, v: attend(q, k, v, kc_BKCD, vc_BKCD, cache.pos, pos_B))
 
-            # the model's own walk over its layers' pattern (one scan step per period), each
-            # layer's weights and cache read in place by its index
+            # the model's own walk over its layers (one scan, each step switching to its
+            # layer's kind), each layer's weights and cache read in place
             x_B1D, (k_LB1KD, v_LB1KD) = model.over_layers(
-                layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v),
-                by_index=True)
-            new = Cache(write(cache.k, k_LB1KD.swapaxes(2, 3), slot, owner),
-                        write(cache.v, v_LB1KD.swapaxes(2, 3), slot, owner),
+                layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v))
+            def written(held, new_LB1KD):  # every layer's new keys (or values), held
+                return write(held, _hold(new_LB1KD.astype(dtype).swapaxes(2, 3), platform),
+                             slot, owner)
+
+            new = Cache(written(cache.k, k_LB1KD), written(cache.v, v_LB1KD),
                         write_pos(cache.pos, pos_B, slot, owner))
             return new, pick(model.next_logits(x_B1D[:, 0]), key, sampling, vocab)
 

@@ -68,10 +68,9 @@ class Decoder(nnx.Module):
                                              m.init_std)
         self.dtype, self.remat, self.scan_layers = dtype, m.remat, m.scan_layers
         self.num_layers = m.num_layers
-        # Each layer's window and RoPE (model/pattern.py), static; the scan runs one period
-        # of them a step.
+        # Each layer's window and RoPE (model/pattern.py), static: the scan over the layers
+        # switches to each layer's own (over_layers).
         self.kinds = pattern.kinds(m)
-        self.period = pattern.period(self.kinds)
         # Gemma: embeddings times sqrt(d_model), the factor cast to the compute dtype first
         self.embed_scale = math.sqrt(m.d_model) if m.get("scale_embeddings", False) else None
         self.softcap = float(m.get("final_logit_softcap", 0.0) or 0.0)  # Gemma: cap * tanh(z / cap)
@@ -116,81 +115,67 @@ class Decoder(nnx.Module):
         x_BLD = self.embed_tokens(tokens_BL)
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(x_BLD, layer_state, kind):
+        def enter(x_BLD):
             if self.act_sharding is not None:
                 x_BLD = jax.lax.with_sharding_constraint(x_BLD, self.act_sharding)
             # Under remat the layer inputs are what the scan keeps for the backward
             # ([layers, B, L, D]); offload_input moves exactly these to host memory.
-            x_BLD = checkpoint_name(x_BLD, "layer_input")
+            return checkpoint_name(x_BLD, "layer_input")
+
+        def layer(x_BLD, layer_state, kind):
             block = nnx.merge(graphdef, layer_state)
             x_BLD, kv = block.attend(x_BLD, positions_BL, segment_ids_BL, kind=kind)
             return x_BLD, kv if keep_kv else None
 
-        if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False,
-                                   static_argnums=(2,))
-        x_BLD, kv = self.over_layers(layer, x_BLD, stacked)
+        x_BLD, kv = self.over_layers(layer, x_BLD, stacked, enter=enter, remat=self.remat)
         return (x_BLD, kv) if keep_kv else x_BLD
 
-    def over_layers(self, layer, x, xs, by_index: bool = False):
-        """``layer(x, xs_i, kind_i) -> (x, y_i)`` over the layers, in order: ``xs`` has a
-        leading layer axis; returns (x, the y_i stacked over layers). A scan over repeats of
-        the pattern's period, then the remainder (the pattern's first layers); inside each,
-        a run of alike layers is a scan of its own (Gemma 3's period: a scan of 5 sliding
-        layers, then the full one), so a step holds one layer's weights at a time and compiles
-        one layer per kind. Layers all alike: one scan, one layer a step.
+    def over_layers(self, layer, x, xs, enter=None, remat: str | None = None):
+        """``layer(enter(x), xs_i, kind_i) -> (x, y_i)`` over the layers, in order: ``xs`` has
+        a leading layer axis; returns (x, the y_i stacked over layers). One scan over every
+        layer with the whole stack as its input, read in place a layer at a time: layers all
+        alike run one layer a step; a pattern (Gemma 3's 5 sliding : 1 full) switches each
+        step to its layer's kind (``lax.switch``, one branch compiled per kind). A scan over
+        the pattern's periods would take its input as slices of the stack and give the
+        gradients back concatenated, copying the whole stack (and its gradient) every step
+        wherever the depth is not a whole number of periods (Gemma-3-1B: 26 = 4 x 6 + 2).
 
-        ``by_index`` (a decode step): one scan over every layer, each step switching to its
-        layer's kind, so that the whole stack is the scan's input and each layer's slice is
-        read in place; the period's scan would take copies of the stack's periods and runs
-        (of the KV cache, every token)."""
-        kinds, p = self.kinds, self.period
-        n = len(kinds)
-        if by_index and p > 1 and self.scan_layers:
-            return self._over_layers_by_index(layer, x, xs)
-        # a slice of the stacked layers (all of them as they are: no copy to slice)
-        slice_ = lambda tree, a, b: tree if (a, b) == (0, n) else jax.tree.map(
-            lambda t: t[a:b], tree)
-        if not self.scan_layers:  # unrolled, layer by layer (debugging)
-            out = []
-            for i in range(n):
-                x, y = layer(x, jax.tree.map(lambda t, i=i: t[i], xs), kinds[i])
+        ``remat``: the checkpoint policy's name (``remat_policy``), applied to each layer;
+        None: nothing is differentiated (a decode step), no checkpoint."""
+        kinds = self.kinds
+        enter = enter or (lambda x: x)
+        distinct = list(dict.fromkeys(kinds))
+        if len(distinct) == 1 or not self.scan_layers:
+            def step(x, xs_i, kind):
+                return layer(enter(x), xs_i, kind)
+
+            if remat not in (None, "none"):
+                step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=False,
+                                      static_argnums=(2,))
+            if self.scan_layers and len(kinds) > 1:
+                return jax.lax.scan(lambda x, xs_k: step(x, xs_k, kinds[0]), x, xs)
+            out = []  # unrolled, layer by layer (debugging), or the one layer
+            for i in range(len(kinds)):
+                x, y = step(x, jax.tree.map(lambda t, i=i: t[i], xs), kinds[i])
                 out.append(jax.tree.map(lambda t: t[None], y))
             return x, jax.tree.map(lambda *t: jnp.concatenate(t), *out)
 
-        def segment(x, xs_seg, seg_kinds):
-            """Consecutive layers ``seg_kinds`` (xs_seg's leading axis), runs of alike scanned."""
-            out = []
-            for kind, a, b in pattern.runs(seg_kinds):
-                run = slice_(xs_seg, a, b)
-                if b - a > 1:
-                    x, y = jax.lax.scan(lambda x, xs_k, kind=kind: layer(x, xs_k, kind), x, run)
-                else:
-                    x, y = layer(x, jax.tree.map(lambda t: t[0], run), kind)
-                    y = jax.tree.map(lambda t: t[None], y)
-                out.append(y)
-            return x, out[0] if len(out) == 1 else jax.tree.map(lambda *t: jnp.concatenate(t), *out)
-
-        repeats, rest = n // p, n % p
-        if repeats == 1 or p == 1:
-            x, ys = segment(x, slice_(xs, 0, repeats * p), kinds[:repeats * p])
-        else:
-            grouped = jax.tree.map(lambda t: t[:repeats * p].reshape(repeats, p, *t.shape[1:]), xs)
-            x, ys = jax.lax.scan(lambda x, xs_g: segment(x, xs_g, kinds[:p]), x, grouped)
-            ys = jax.tree.map(lambda t: t.reshape(repeats * p, *t.shape[2:]), ys)
-        if not rest:
-            return x, ys
-        x, tail = segment(x, slice_(xs, repeats * p, n), kinds[:rest])
-        return x, jax.tree.map(lambda *t: jnp.concatenate(t), ys, tail)
-
-    def _over_layers_by_index(self, layer, x, xs):
-        """``over_layers`` as one scan over every layer with the whole stack as its input
-        (sliced in place, one layer a step), each step switching to its layer's kind: one
-        branch compiled per kind."""
-        distinct = list(dict.fromkeys(self.kinds))
-        ids = jnp.asarray([distinct.index(k) for k in self.kinds], jnp.int32)
         branches = [lambda x, xs_i, kind=kind: layer(x, xs_i, kind) for kind in distinct]
-        return jax.lax.scan(lambda x, a: jax.lax.switch(a[0], branches, x, a[1]), x, (ids, xs))
+
+        def switch(x, xs_i, index):
+            return jax.lax.switch(index, branches, enter(x), xs_i)
+
+        if remat is not None:
+            # The checkpoint holds the switch, not each branch: differentiated, a switch keeps
+            # what its branches' backward needs as outputs of its own, the layer's weights
+            # among them, which the scan would stack into a copy of the whole weight stack; a
+            # checkpoint's backward reads its inputs (the scan's slice of the stack) in place.
+            # Without remat every intermediate is kept, as with no checkpoint at all.
+            policy = (remat_policy(remat) if remat != "none"
+                      else jax.checkpoint_policies.everything_saveable)
+            switch = jax.checkpoint(switch, policy=policy, prevent_cse=False)
+        ids = jnp.asarray([distinct.index(k) for k in kinds], jnp.int32)
+        return jax.lax.scan(lambda x, a: switch(x, a[1], a[0]), x, (ids, xs))
 
     def next_logits(self, x_BD):
         """fp32 next-token logits [B, V] of last-block outputs [B, D] (generation)."""

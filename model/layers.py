@@ -1,4 +1,5 @@
-"""Decoder building blocks: RMSNorm, RoPE from explicit position ids, GQA attention, SwiGLU.
+"""Decoder building blocks: RMSNorm, RoPE from explicit position ids, GQA attention, the gated
+MLP (SwiGLU or GeGLU).
 
 Parameters are fp32 ``nnx.Param``s carrying logical ``axes`` (see parallel/mesh.py RULES);
 compute runs in ``dtype``. Activations are [B, L, ...] in whatever token layout the batch uses.
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from model.pattern import LayerKind
-from model.rope import Rope, from_config as rope_from_config
+from model.rope import Rope
 
 
 def _param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
@@ -138,25 +139,21 @@ class Attention(nnx.Module):
         # kernels keep theirs and the queries carry the ratio.
         scalar = float(m.get("query_pre_attn_scalar", 0.0) or 0.0)
         self.q_scale = math.sqrt(hd / scalar) if scalar and scalar != hd else None
-        self.rope, self.backend, self.dtype = rope_from_config(m), backend, dtype
-        # a model property (every backend, generate.py's dense one too, reads it from here);
-        # configs saved before the field existed have none: full attention. The decoder passes
-        # each layer's own kind (model/pattern.py); these are the defaults.
-        self.window = int(m.get("sliding_window", 0))
+        # No window or RoPE here: each call names its layer's kind (model/pattern.py), so a
+        # caller cannot run a Gemma layer under the model's one window and global RoPE.
+        self.backend, self.dtype = backend, dtype
 
     def _project(self, x_BLD, w_DHK, b_HK):
         y_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK[...].astype(self.dtype))
         return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        return self.attend(x_BLD, positions_BL, segment_ids_BL)[0]
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, *, kind: LayerKind):
+        return self.attend(x_BLD, positions_BL, segment_ids_BL, kind=kind)[0]
 
-    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None,
-               kind: LayerKind | None = None):
+    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None, *, kind: LayerKind):
         """(output [B, L, D], (k_BLKD, v_BLKD)): the keys and values a KV cache keeps.
         ``attention(q, k, v)``, when given, replaces the backend (a decode step's cache).
-        ``kind``: this layer's window and RoPE (None: the model's one window and RoPE)."""
-        kind = kind or LayerKind(self.window, self.rope)
+        ``kind``: this layer's window and RoPE (``model.pattern.kinds``)."""
         q_BLHD, k_BLKD, v_BLKD = self.qkv(x_BLD, positions_BL, kind.rope)
         if attention is None:
             o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, kind.window)
@@ -184,9 +181,10 @@ ACTIVATIONS = {"silu": jax.nn.silu,  # SwiGLU (Llama, Qwen)
                "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}  # GeGLU (Gemma)
 
 
-class SwiGLU(nnx.Module):
+class GatedMLP(nnx.Module):
     """The gated MLP: down(act(gate(x)) * up(x)); ``model.mlp_activation`` picks act (silu:
-    SwiGLU; gelu_tanh: Gemma's GeGLU)."""
+    SwiGLU; gelu_tanh: Gemma's GeGLU). A block holds it as ``mlp``: its weights' paths
+    (blocks/mlp/w_gate, w_up, w_down) are what checkpoints keep."""
 
     def __init__(self, m, dtype, rngs: nnx.Rngs):
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
@@ -197,10 +195,10 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BLD):
         c = lambda p: p[...].astype(self.dtype)
-        return swiglu(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down), self.activation)
+        return gated_mlp(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down), self.activation)
 
 
-def swiglu(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu"):
+def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu"):
     return (ACTIVATIONS[activation](x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
 
 
@@ -213,22 +211,21 @@ class Block(nnx.Module):
         self.attn_norm = norm_from_config(m)
         self.attn = Attention(m, backend, dtype, rngs)
         self.mlp_norm = norm_from_config(m)
-        self.mlp = SwiGLU(m, dtype, rngs)
+        self.mlp = GatedMLP(m, dtype, rngs)
         if m.get("sandwich_norms", False):
             self.attn_post_norm, self.mlp_post_norm = norm_from_config(m), norm_from_config(m)
         else:
             self.attn_post_norm = self.mlp_post_norm = None
         self.mlp_chunk, self.mesh = m.mlp_chunk, backend.mesh
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        return self.attend(x_BLD, positions_BL, segment_ids_BL)[0]
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, *, kind: LayerKind):
+        return self.attend(x_BLD, positions_BL, segment_ids_BL, kind=kind)[0]
 
-    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None,
-               kind: LayerKind | None = None):
+    def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None, *, kind: LayerKind):
         """(output, (k, v)): the block, and the keys and values its attention saw
         (``Attention.attend``; ``kind``: the layer's window and RoPE)."""
         y_BLD, kv = self.attn.attend(self.attn_norm(x_BLD), positions_BL, segment_ids_BL,
-                                     attention, kind)
+                                     attention, kind=kind)
         if self.attn_post_norm is not None:
             y_BLD = self.attn_post_norm(y_BLD)
         # a decode step's one token is not split over the sequence axis: the MLP runs whole
@@ -249,7 +246,7 @@ class Block(nnx.Module):
 
         def mlp(w, x_BcD, axis):
             scale, w_gate, w_up, w_down = w
-            y_BcD = swiglu(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act)
+            y_BcD = gated_mlp(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act)
             return jax.lax.psum(y_BcD, axis) if axis else y_BcD  # partial over ffn_dim / tensor
 
         # the post-norm needs the whole of D after the psum: it runs outside the chunks

@@ -10,9 +10,10 @@
 An empty list is every layer alike, as before the field existed: ``sliding`` when
 ``model.sliding_window`` is set, else ``full``.
 
-The stack scans over repeats of the pattern's period (Gemma 3: 5 sliding, 1 full) and runs the
-remainder after the scan (Gemma-3-1B: 26 = 4 x 6 + 2): compile time stays flat in depth, and a
-model whose layers are all alike scans one layer a step, exactly as before.
+The stack is one scan over its layers, each step switching to its layer's kind (one branch
+compiled per kind; model/decoder.py over_layers): compile time stays flat in depth, the stacked
+weights are read in place whatever the depth (Gemma-3-1B's 26 layers are 4 periods of 6 and 2
+more), and a model whose layers are all alike scans one layer a step, exactly as before.
 """
 from __future__ import annotations
 
@@ -41,12 +42,17 @@ def names(m) -> tuple[str, ...]:
 
 
 def check(m) -> str | None:
-    """Why ``model.layer_types`` is not valid for ``m`` (one line), or None."""
+    """Why ``model.layer_types`` is not valid for ``m`` (one line), or None. A window or a
+    local RoPE base that no layer reads is refused too: the run would go without it, silently."""
     local = float(m.get("local_rope_theta", 0.0) or 0.0)
     if local < 0:
         return f"model.local_rope_theta={local:g} must be >= 0 (0: the model's own RoPE)"
     given = str(m.get("layer_types", "") or "").strip()
-    if not given:
+    window = m.get("sliding_window", 0)
+    if not given:  # every layer alike: sliding when there is a window
+        if local and not window:
+            return (f"model.local_rope_theta={local:g} is the sliding layers' RoPE base, but no "
+                    f"layer slides (model.sliding_window={window!r}); set it to 0")
         return None
     kinds = names(m)
     unknown = sorted({k for k in kinds if k not in KINDS})
@@ -56,10 +62,17 @@ def check(m) -> str | None:
     if len(kinds) != int(m.num_layers):
         return (f"model.layer_types lists {len(kinds)} layers but model.num_layers="
                 f"{m.num_layers}; give one kind per layer")
-    window = m.get("sliding_window", 0)
-    if any(k.startswith("sliding") for k in kinds) and not window:
+    sliding = any(k.startswith("sliding") for k in kinds)
+    if sliding and not window:
         return (f"model.layer_types has sliding layers but model.sliding_window={window!r}; "
                 f"a sliding layer needs a window >= 1 token")
+    listed = ", ".join(dict.fromkeys(kinds))
+    if window and not sliding:
+        return (f"model.sliding_window={window} is the sliding layers' window, but "
+                f"model.layer_types has none ({listed}); set it to 0 or list sliding layers")
+    if local and "sliding" not in kinds:
+        return (f"model.local_rope_theta={local:g} is the sliding layers' RoPE base, but "
+                f"model.layer_types has no sliding layer with RoPE ({listed}); set it to 0")
     return None
 
 
@@ -79,8 +92,8 @@ def kinds(m) -> tuple[LayerKind, ...]:
 
 
 def period(kinds_: tuple) -> int:
-    """The shortest p with ``kinds[i] == kinds[i % p]`` for every layer: one scan step runs
-    p layers, and the last ``len % p`` layers (the pattern's first ones) run after the scan."""
+    """The shortest p with ``kinds[i] == kinds[i % p]`` for every layer: the pattern's
+    repeating unit (``describe``); the last ``len % p`` layers are its first ones again."""
     n = len(kinds_)
     for p in range(1, n + 1):
         if all(kinds_[i] == kinds_[i % p] for i in range(n)):

@@ -3,7 +3,9 @@
 A collective inside a loop runs once per iteration, so each one is weighted by the trip counts
 of the ``while`` loops around it (XLA annotates ``known_trip_count``): the scan over layers and
 the ring's rounds turn a handful of HLO instructions into thousands of transfers per step.
-Collectives inside a ``conditional`` are counted as if their branch always ran (an upper bound).
+A ``conditional`` whose branch is read from a constant table by the loop's counter (the scan over
+a layer pattern switching to each layer's kind, model/decoder.py) runs each branch as often as
+the table names it; any other counts each branch as if it always ran (an upper bound).
 
 Bytes are what one device sends or receives per execution: the gathered result of an
 all-gather, the operand of the others. XLA CPU has no bf16 collectives and promotes them to
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from fractions import Fraction
 
 import numpy as np
 
@@ -38,6 +41,7 @@ class Instr:
     opcode: str
     operands: list[str]
     attrs: str
+    literal: str = ""  # a constant's value, as written
 
 
 @dataclasses.dataclass
@@ -99,7 +103,10 @@ def parse_instr(line: str) -> Instr | None:
     if not op:
         return None
     close = _matching(rest, op.end() - 1)
-    operands = [o.split()[-1].lstrip("%") for o in _split_top(rest[op.end():close - 1]) if o]
+    inside = rest[op.end():close - 1]
+    if op.group(1) == "constant":
+        return Instr(name, typ, "constant", [], rest[close:], inside)
+    operands = [o.split()[-1].lstrip("%") for o in _split_top(inside) if o]
     return Instr(name, typ, op.group(1), operands, rest[close:])
 
 
@@ -133,8 +140,10 @@ def parse_module(text: str) -> Module:
     return Module(comps, roots, entry)
 
 
-def _called(ins: Instr) -> list[tuple[str, int]]:
-    """Computations an instruction runs and how many times per execution of it."""
+def _called(ins: Instr, comp: dict | None = None,
+            mod: Module | None = None) -> list[tuple[str, int | Fraction]]:
+    """Computations an instruction of ``comp`` runs and how many times per execution of it (a
+    branch of a conditional: its share of the executions, when ``_branch_table`` reads it)."""
     a = ins.attrs
     if ins.opcode == "while":
         body = re.search(r"body=%?([\w.\-]+)", a)
@@ -149,8 +158,47 @@ def _called(ins: Instr) -> list[tuple[str, int]]:
             out.append((m.group(1), 1))
     br = re.search(r"branch_computations=\{([^}]*)\}", a)
     if br:
-        out += [(b.strip().lstrip("%"), 1) for b in br.group(1).split(",") if b.strip()]
+        branches = [b.strip().lstrip("%") for b in br.group(1).split(",") if b.strip()]
+        table = _branch_table(ins.operands[0], comp, mod) if comp and mod else None
+        if table and all(0 <= t < len(branches) for t in table):
+            out += [(b, Fraction(table.count(i), len(table))) for i, b in enumerate(branches)]
+        else:
+            out += [(b, 1) for b in branches]
     return out
+
+
+def _branch_table(name: str, comp: dict, mod: Module, outer=None,
+                  depth: int = 0) -> list[int] | None:
+    """The branch each iteration of a loop takes, when a conditional's index ``name`` is an
+    entry of a constant table read at the loop's counter (a dynamic-slice of it, clamped into
+    the branches as lax.switch does): the table. None for any other index."""
+    ins = comp.get(name)
+    if ins is None or depth > 12:
+        return None
+    if ins.opcode == "clamp" and len(ins.operands) == 3:
+        lo, values, hi = (_branch_table(o, comp, mod, outer, depth + 1) for o in ins.operands)
+        if not (lo and hi and values) or len(lo) != 1 or len(hi) != 1:
+            return None
+        return [min(max(v, lo[0]), hi[0]) for v in values]
+    if ins.opcode == "constant":
+        integral = re.match(r"[su]\d+\[", ins.type)
+        return [int(x) for x in re.findall(r"-?\d+", ins.literal)] if integral else None
+    if ins.opcode in ("bitcast", "reshape", "copy", "convert") and ins.operands:
+        return _branch_table(ins.operands[0], comp, mod, outer, depth + 1)
+    if ins.opcode == "dynamic-slice" and ins.operands:
+        return _branch_table(ins.operands[0], comp, mod, outer, depth + 1)
+    if ins.opcode == "fusion":
+        callee = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+        fused = callee and callee.group(1)
+        if fused not in mod.comps or fused not in mod.roots:
+            return None
+        return _branch_table(mod.roots[fused], mod.comps[fused], mod, (ins, comp), depth + 1)
+    if ins.opcode == "parameter" and outer is not None and ins.operands:
+        idx = int(re.match(r"\s*(\d+)", ins.operands[0]).group(1))
+        fusion, parent = outer
+        if idx < len(fusion.operands):
+            return _branch_table(fusion.operands[idx], parent, mod, None, depth + 1)
+    return None
 
 
 def multiplicities(mod: Module) -> dict[str, int]:
@@ -158,7 +206,8 @@ def multiplicities(mod: Module) -> dict[str, int]:
 
     A computation reached along several paths adds up; the call graph is a DAG, walked in
     topological order over the part reachable from the entry."""
-    edges = {c: [e for ins in instrs.values() for e in _called(ins) if e[0] in mod.comps]
+    edges = {c: [e for ins in instrs.values() for e in _called(ins, instrs, mod)
+                 if e[0] in mod.comps]
              for c, instrs in mod.comps.items()}
     reach, stack = {mod.entry}, [mod.entry]
     while stack:
@@ -180,7 +229,7 @@ def multiplicities(mod: Module) -> dict[str, int]:
             indeg[callee] -= 1
             if indeg[callee] == 0:
                 ready.append(callee)
-    return mult
+    return {c: int(round(m)) for c, m in mult.items()}
 
 
 def array_bytes(typ: str, dtype_override: str | None = None) -> float:
@@ -258,6 +307,19 @@ def _groups(attrs: str, num_devices: int) -> list[list[int]]:
     if m and m.group(1).strip():
         return [[int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}", m.group(0))]
     return [list(range(num_devices))]
+
+
+def program_text(compiled) -> str:
+    """A compiled program's HLO text with every constant written out: ``as_text()`` elides a
+    large one as ``{...}``, and a layer pattern's table of kinds is one (``_branch_table``)."""
+    try:
+        from jax._src.lib import hlo
+        options = hlo.HloPrintOptions()
+        options.print_large_constants = True
+        return "\n".join(m.to_string(options)
+                         for m in compiled.runtime_executable().hlo_modules())
+    except (ImportError, AttributeError):  # another JAX: the upper bound for such branches
+        return compiled.as_text()
 
 
 def collectives(text: str, num_devices: int) -> list[Collective]:

@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from planning.collectives import program_text
 from training.state import FAST_COMPILE
 
 # The planner never runs what it compiles: training/state.py's FAST_COMPILE says why its options.
@@ -107,4 +108,5 @@ def compile_step(config, devices, compiler_options=None) -> Compiled:
         host_temporaries=int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
         params=shard_bytes(state.params), optimizer=shard_bytes(state.opt_state),
         batch=shard_bytes(batch))
-    return Compiled(config, memory, compiled.as_text(), t1 - t0, t2 - t1, compiled, trainer, batch)
+    return Compiled(config, memory, program_text(compiled), t1 - t0, t2 - t1, compiled, trainer,
+                    batch)

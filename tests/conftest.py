@@ -8,12 +8,17 @@ import tempfile
 # LLVM's optimisations at level 0 for what the tests compile in their own processes (the HLO
 # passes all run): most programs here run once or twice, so compiling them is most of the
 # suite's time, and this takes a quarter to a third of it off (same values within fp32 noise;
-# where a test compares bits, both sides are compiled alike). Processes a test starts as a
-# user would (train.py, the printed commands) set their own flags, or none.
+# where a test compares bits, both sides are compiled alike). The processes a test starts
+# inherit these flags unless it gives them XLA_FLAGS of their own: none, as a user's shell
+# (tests/test_readme_commands.py), a device count alone (tests/test_train_e2e.py), or these on
+# purpose (tests/trained_run.py: the same programs as the test's own, bit for bit).
+# STRIPEDJAX_DEFAULT_CODEGEN=1 leaves XLA's code generation at its defaults: the few checks of
+# compiled programs that tests/test_default_codegen.py runs once more that way.
 QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+DEFAULT_CODEGEN = os.environ.get("STRIPEDJAX_DEFAULT_CODEGEN") == "1"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + QUICK_CODEGEN
-).strip()
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
+    + ("" if DEFAULT_CODEGEN else QUICK_CODEGEN)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One JAX compilation cache for the whole run, fresh each time: the pytest workers and every
 # process they start inherit it, so a program compiled by one of them (the tiny model's train
@@ -46,6 +51,10 @@ def rng():
 
 
 # ----------------------------------------------------------------------------- tiers
+
+def pytest_report_header(config):
+    return f"XLA_FLAGS: {os.environ['XLA_FLAGS']}"
+
 
 def pytest_addoption(parser):
     parser.addoption("--tier", choices=("all", "quick", "next"), default="all",

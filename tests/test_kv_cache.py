@@ -2,6 +2,8 @@
 (evaluation/recompute.py) on a random model: the same greedy tokens for every layout and
 context-parallel strategy on 4 simulated devices, in fp32 and bf16, for rows of different
 prompt lengths in one batch."""
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from evaluation.kv_cache import EMPTY, Generator, Sampling
 from evaluation.lengths import Buckets
 from helpers import initial_params
 from model.decoder import single_device_model
+from model.pattern import repeat
 from parallel.mesh import make_mesh
 from training.state import Trainer
 
@@ -139,8 +142,9 @@ def test_sliding_window_and_eos_and_a_stop_rule(rng):
 
 
 def test_a_layer_pattern_reads_each_layer_under_its_own_window_and_rope(rng):
-    """Gemma's and SmolLM3's blocks (7 layers of sliding, full, full_nope: the decode step
-    scans two periods, then the remainder) on the contiguous ring: recomputing's greedy tokens."""
+    """Gemma's and SmolLM3's blocks (7 layers of sliding, full, full_nope: 2 periods and a
+    remainder of 1; the decode step's scan switches to each layer's kind) on the contiguous
+    ring: recomputing's greedy tokens."""
     from model.pattern import repeat
     c = config("contiguous", "ring", window=12)
     c.model.update(num_layers=7, layer_types=repeat("sliding,full,full_nope", 7),
@@ -210,49 +214,66 @@ def test_buckets_are_the_smallest_valid_length_from_the_next_power_of_two(rng):
         assert next_valid(c, mesh, int(n)) == next(v for v in valid if v >= n)
 
 
-def cache_copies(c, mesh, prompt_slots=64, gen_slots=11):
-    """The compiled decode step's copies of the cache (shape, elements) larger than one layer
-    of it on this device, and that layer's element count (an array of the cache: one with a
-    dimension of its slots per device, 75 here, a number nothing else has). A decode that carries the cache through
-    its scan over layers gets a copy of the whole cache per layer: layers x cache bytes a
-    token, its cost growing with the prompt (what this checks is the program, not a time)."""
+def decode_program(c, mesh, prompt_slots=1024, gen_slots=11):
+    """The compiled decode step's copies and conversions of the cache larger than one layer of
+    it on this device, as (dtype, shape, op); its temporary bytes; and the bytes of the cache
+    (keys and values) on this device. The cache is the prefill's, as it holds it (its dtype,
+    its shape: a dimension of slots per device, 1035 here, a number nothing else has). A decode
+    that carries the cache through its scan over layers gets a copy of the whole cache per
+    layer, layers x cache bytes a token, its cost growing with the prompt; one that slices a
+    bf16 cache where XLA (on a CPU) cannot gets it converted whole to fp32 and back (what this
+    checks is the program, not a time)."""
     import re
 
     from evaluation.kv_cache import Cache
     trainer = Trainer(c, mesh)
-    S, m = int(mesh.shape["sequence"]), c.model
-    B = c.data.batch_size
+    S, B = int(mesh.shape["sequence"]), c.data.batch_size
     sds = jax.ShapeDtypeStruct
-    slots = S * (prompt_slots + gen_slots)
-    kv = sds((m.num_layers, B, m.num_kv_heads, slots, m.d_model // m.num_heads), np.float32)
-    ints = sds((B,), np.int32)
+    prompt, slots = S * prompt_slots, S * (prompt_slots + gen_slots)
+    rows = lambda n: sds((B, n), np.int32)
     gen = Generator(trainer, VOCAB)
-    hlo = gen._decode(prompt_slots, Sampling()).lower(
-        trainer.abstract_state.params, Cache(kv, kv, sds((B, slots), np.int32)), ints, ints,
-        sds((), np.int32), jax.random.key(0)).compile().as_text()
-    layer = B * (slots // S) * m.num_kv_heads * (m.d_model // m.num_heads)  # one device's
-    big = []
-    for shape in re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} copy(?:-start)?\(", hlo):
+    cache, _ = jax.eval_shape(gen._prefill(gen_slots, Sampling()), trainer.abstract_state.params,
+                              rows(prompt), rows(prompt), rows(prompt), rows(slots),
+                              sds((B,), np.int32), jax.random.key(0))
+    ints = sds((B,), np.int32)
+    compiled = gen._decode(prompt_slots, Sampling()).lower(
+        trainer.abstract_state.params, cache, ints, ints, sds((), np.int32),
+        jax.random.key(0)).compile()
+    hlo = compiled.as_text()
+    held = {"float32": "f32", "bfloat16": "bf16", "uint16": "u16"}[str(cache.k.dtype)]
+    per_device = slots // S
+    layer = math.prod(cache.k.shape[1:]) // S
+    found = []
+    for dtype, shape, op in re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", hlo):
         dims = [int(d) for d in shape.split(",") if d]
-        n = int(np.prod(dims))
-        if slots // S in dims and n > layer:
-            big.append((shape, n))
-    return big, layer
+        if per_device in dims and math.prod(dims) > layer and (
+                op in ("copy", "copy-start", "convert") or dtype != held):
+            found.append((dtype, shape, op))
+    cache_bytes = 2 * layer * cache.k.shape[0] * cache.k.dtype.itemsize
+    return sorted(set(found)), compiled.memory_analysis().temp_size_in_bytes, cache_bytes
 
 
-@pytest.mark.parametrize("layout,sequence,layer_types", [
-    ("striped", 1, ""), ("striped", 4, ""), ("contiguous", 4, ""),
-    # two repeats of (a run of 2 sliding layers, a full one) and a remainder of one
-    ("striped", 1, "sliding,sliding,full,sliding,sliding,full,sliding")])
-def test_a_decode_step_copies_no_more_than_a_layer_of_the_cache(layout, sequence, layer_types):
+@pytest.mark.parametrize("layout,sequence,layer_types,dtype", [
+    ("striped", 1, "", "float32"), ("striped", 4, "", "float32"),
+    ("contiguous", 4, "", "float32"),
+    # a pattern of period 3 (2 sliding layers, a full one) over 16 layers: 5 periods and a
+    # remainder of 1
+    ("striped", 1, "sliding,sliding,full", "float32"),
+    # a bf16 cache (the decode step reads neither layout nor strategy)
+    ("striped", 1, "", "bfloat16"), ("striped", 4, "", "bfloat16"),
+    ("striped", 1, "sliding,sliding,full", "bfloat16")])
+def test_a_decode_step_copies_no_more_than_a_layer_of_the_cache(layout, sequence, layer_types,
+                                                                dtype):
     """A token reads each layer's cache once and writes one slot: the compiled step holds no
-    copy of the stacked cache (nor of anything larger than one layer of it), on one device and
-    with the cache split over 4 sequence devices, and with a layer pattern whose period, runs
-    and remainder are not whole slices of the stack."""
-    c = config(layout, mesh=dict(data=1, fsdp=1, sequence=sequence, tensor=1),
+    copy or conversion of the stacked cache (nor of anything larger than one layer of it) and
+    needs less temporary memory than half the cache, on one device and with the cache split
+    over 4 sequence devices, in fp32 and bf16, and with a layer pattern whose depth is not a
+    whole number of periods."""
+    c = config(layout, mesh=dict(data=1, fsdp=1, sequence=sequence, tensor=1), dtype=dtype,
                window=8 if layer_types else 0)
-    c.model.update(num_layers=len(layer_types.split(",")) if layer_types else 4,
-                   layer_types=layer_types)
-    c.data.batch_size = 1
-    big, layer = cache_copies(c, make_mesh(c.mesh, jax.devices()[:sequence]))
-    assert big == [], f"copies larger than one layer of the cache ({layer} elements): {big}"
+    c.model.update(num_layers=16, layer_types=repeat(layer_types, 16) if layer_types else "")
+    c.data.update(batch_size=1, seq_len=sequence * 1024)
+    copies, temp, cache = decode_program(c, make_mesh(c.mesh, jax.devices()[:sequence]))
+    assert copies == [] and temp < cache / 2, (
+        f"copies or conversions of the cache: {copies}; temporary memory {temp} bytes against "
+        f"a cache of {cache} ({temp / cache:.2f} of it)")

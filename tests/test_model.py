@@ -19,6 +19,7 @@ from configs import tiny
 from helpers import random_segments, reference
 from model.decoder import Decoder
 from model.layers import Attention, AttentionBackend, rope
+from model.pattern import kinds
 from parallel.layouts import permutation
 from parallel.mesh import make_mesh
 
@@ -226,13 +227,15 @@ def test_sliding_window_attention_matches_float64(rng):
     pos = jnp.broadcast_to(jnp.arange(L), (2, L))
     seg = jnp.asarray(random_segments(rng, 2, L))
     graphdef, state = nnx.split(attn)
+    kind = kinds(m)[0]  # every layer alike: sliding by W, the model's RoPE
+    assert kind.window == w
 
     @jax.jit
     def run(state, x, pos, seg):
         attn = nnx.merge(graphdef, state)
-        q = attn.rope(jnp.einsum("bld,dhk->blhk", x, attn.wq[...]), pos)
-        k = attn.rope(jnp.einsum("bld,dhk->blhk", x, attn.wk[...]), pos)
-        return attn(x, pos, seg), q, k, jnp.einsum("bld,dhk->blhk", x, attn.wv[...])
+        q = kind.rope(jnp.einsum("bld,dhk->blhk", x, attn.wq[...]), pos)
+        k = kind.rope(jnp.einsum("bld,dhk->blhk", x, attn.wk[...]), pos)
+        return attn(x, pos, seg, kind=kind), q, k, jnp.einsum("bld,dhk->blhk", x, attn.wv[...])
 
     got, q, k, v = (np.asarray(a) for a in run(state, x, pos, seg))
     out = reference(q, k, v, np.ones_like(q), np.asarray(pos), np.asarray(seg), window=w)[0]

@@ -3,13 +3,14 @@
 One small model has every family difference switched on at once: sliding and full layers with
 their own RoPE (local base, scaled global base), q/k norm, a head_dim apart from d_model /
 heads, 1 + w norms, sandwich norms, scaled embeddings, GeGLU, query_pre_attn_scalar and final
-soft-capping. Its 5 layers repeat (sliding, full) twice and end with one sliding layer: the scan
-runs 2 steps of 2 layers, then the remainder. Its logits are checked against a float64 decoder
-written here in numpy (and with NoPE layers), and its loss and gradients in every layout,
-strategy and kernel against those of one device.
+soft-capping. Its 5 layers repeat (sliding, full) twice and end with one sliding layer, a depth
+that is not a whole number of periods (the scan over the layers switches to each one's kind).
+Its logits are checked against a float64 decoder written here in numpy (and with NoPE layers),
+and its loss and gradients in every layout, strategy and kernel against those of one device.
 """
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -171,8 +172,8 @@ def assert_same(got_logits, got_grads, want_logits, want_grads):
 
 
 def ring_config():
-    """4 layers (sliding, full) x 2: the scan's two steps, each a local and a global layer
-    (the remainder's layer is the float64 test's and the scan test's)."""
+    """4 layers (sliding, full) x 2, local and global alternating (the 5-layer stack, whose
+    depth is not a whole number of periods, is the float64 test's and the scan tests')."""
     return family_config(num_layers=4, layer_types=pattern.repeat("sliding,full", 4))
 
 
@@ -215,41 +216,62 @@ def test_mixed_stack_in_every_kernel(kernel):
     _compare_with_one_device(backend, 4, "contiguous")
 
 
+def _layer_scans(model, rows, rng):
+    """[(scan length, the jaxprs of the branches of the switch in its body, if any)] of the
+    forward's top-level scans."""
+    graphdef, state = nnx.split(model)
+    tok, pos, seg = batch(rng, rows)
+    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tok, pos, seg))(state).jaxpr
+
+    def switches(j):
+        found = []
+        for e in j.eqns:
+            if e.primitive.name == "cond":
+                found.append([b.jaxpr for b in e.params["branches"]])
+                continue
+            for param in e.params.values():
+                sub = getattr(param, "jaxpr", param)
+                if hasattr(sub, "eqns"):
+                    found += switches(sub)
+        return found
+
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            found = switches(e.params["jaxpr"].jaxpr)
+            assert len(found) <= 1
+            out.append((e.params["length"], found[0] if found else []))
+    return out
+
+
 def test_local_layers_stop_the_contiguous_ring_early(rng):
     """A ring of 4 (chunks of 8): W = 6 reaches one device back, so each sliding layer's K/V
-    make 1 hop and each full layer's 3, whatever the scan's grouping."""
+    make 1 hop and each full layer's 3: the scan's switch has a branch per kind, each running
+    its own ring."""
     c = family_config()
     mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
     model = random_model(rng, c, AttentionBackend(impl="ring", layout="contiguous", mesh=mesh))
-    tok, pos, seg = batch(rng, 2)
-    graphdef, state = nnx.split(model)
-    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tok, pos, seg))(state).jaxpr
+    [(length, branches)] = _layer_scans(model, 2, rng)
     kinds = pattern.kinds(c.model)
-    rounds = [reach(k.window, "contiguous", L // 4, 4) if k.window else 4 for k in kinds]
-    assert sorted(set(rounds)) == [2, 4]
+    distinct = list(dict.fromkeys(kinds))  # the switch's branches, in order
+    rounds = [reach(k.window, "contiguous", L // 4, 4) if k.window else 4 for k in distinct]
+    assert length == len(kinds) and len(branches) == len(distinct) and sorted(rounds) == [2, 4]
     block = (1, 2, L // 4, 12)  # [B, Hkv, chunk, D] per device
-    assert ppermute_hops(jaxpr)[("float32", block)] == sum(2 * (r - 1) for r in rounds)
+    assert [ppermute_hops(b)[("float32", block)] for b in branches] == [
+        2 * (r - 1) for r in rounds]
 
 
-def test_the_stack_scans_one_period_a_step(rng):
-    """5 layers of period 2: one scan of 2 steps (the remainder after it); Gemma-3-1B's 26
-    layers: 4 steps of (a scan of 5 sliding layers, then the full one), then a scan of the 2
-    left; a model whose layers are alike scans one layer a step, as before the pattern."""
-    def scans(c):
-        """[(length, [the scans' lengths inside its body])] of the forward's top-level scans."""
-        model = random_model(rng, c)
-        graphdef, state = nnx.split(model)
-        tok, pos, seg = batch(rng, 1)
-        jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tok, pos, seg))(state)
-        inner = lambda e: [f.params["length"] for f in e.params["jaxpr"].jaxpr.eqns
-                           if f.primitive.name == "scan"]
-        return [(e.params["length"], inner(e)) for e in jaxpr.jaxpr.eqns
-                if e.primitive.name == "scan"]
-
-    assert scans(family_config()) == [(2, [])]
-    assert scans(family_config(layer_types="")) == [(5, [])]
+def test_the_stack_is_one_scan_over_its_layers(rng):
+    """5 layers of period 2, 5 of period 3 and Gemma-3-1B's 26 layers (4 x 6 + 2): one scan
+    over every layer, each step switching to its layer's kind (a branch per kind); a model
+    whose layers are alike scans one layer a step with no switch, as before the pattern."""
+    scans = lambda c: [(n, len(b)) for n, b in _layer_scans(random_model(rng, c), 1, rng)]
+    assert scans(family_config()) == [(5, 2)]
+    assert scans(family_config(layer_types="")) == [(5, 0)]
+    assert scans(family_config(layer_types=pattern.repeat("full,sliding_nope,full_nope", 5))) \
+        == [(5, 3)]
     assert scans(family_config(num_layers=26, layer_types=pattern.repeat(
-        "sliding," * 5 + "full", 26))) == [(4, [5]), (2, [])]
+        "sliding," * 5 + "full", 26))) == [(26, 2)]
 
 
 def test_explicit_full_layers_equal_the_default_to_the_bit(rng):
@@ -272,6 +294,36 @@ def test_default_fields_add_no_parameter():
         "embed", "scale", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head"}
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gated_mlp_runs_swiglu_and_geglu_where_checkpoints_keep_it(rng, activation):
+    """model.layers.GatedMLP is down(act(gate(x)) * up(x)) with SiLU (SwiGLU: Llama, Qwen) or
+    tanh GELU (GeGLU: Gemma), against float64; a decoder keeps its weights at the paths
+    checkpoints hold (blocks/mlp/w_gate, w_up, w_down), whatever the class is called."""
+    from model.layers import GatedMLP
+    c = family_config(mlp_activation=activation)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GatedMLP(c.model, jnp.float32,
+                                                                nnx.Rngs(0))))
+    state = jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype),
+                         state)
+    mlp = nnx.merge(graphdef, state)
+    x = rng.standard_normal((2, L, c.model.d_model)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x: mlp(x))(x))
+    w = {k: np.asarray(getattr(mlp, k)[...], np.float64) for k in ("w_gate", "w_up", "w_down")}
+    g = x.astype(np.float64) @ w["w_gate"]
+    act = (g / (1 + np.exp(-g)) if activation == "silu" else
+           0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))))
+    want = (act * (x.astype(np.float64) @ w["w_up"])) @ w["w_down"]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    abstract = nnx.eval_shape(lambda: Decoder(tiny.get_config().model, AttentionBackend(),
+                                              nnx.Rngs(0)))
+    paths = {tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        nnx.to_pure_dict(nnx.split(abstract, nnx.Param)[1]))}
+    assert paths == {("embed",), ("head",), ("final_norm", "scale"),
+                     ("blocks", "attn_norm", "scale"), ("blocks", "mlp_norm", "scale"),
+                     *(("blocks", "attn", w) for w in ("wq", "wk", "wv", "wo")),
+                     *(("blocks", "mlp", w) for w in ("w_gate", "w_up", "w_down"))}
+
+
 @pytest.mark.parametrize("fields,message", [
     ({"layer_types": "sliding,global,full,full"}, "'global'; each layer is one of"),
     ({"layer_types": "full,full,full"}, "lists 3 layers but model.num_layers=4"),
@@ -280,6 +332,16 @@ def test_default_fields_add_no_parameter():
     ({"local_rope_theta": -1.0}, "local_rope_theta=-1 must be >= 0"),
     ({"mlp_activation": "relu"}, "mlp_activation='relu' is not one of silu, gelu_tanh"),
     ({"final_logit_softcap": -30.0}, "final_logit_softcap=-30.0 must be a number >= 0"),
+    # a field no layer reads: a local RoPE base without a sliding layer that rotates
+    ({"local_rope_theta": 1e4}, "model.local_rope_theta=10000 is the sliding layers' RoPE "
+     "base, but no layer slides (model.sliding_window=0); set it to 0"),
+    ({"local_rope_theta": 1e4, "sliding_window": 8, "layer_types": "full,sliding_nope,full,full"},
+     "model.local_rope_theta=10000 is the sliding layers' RoPE base, but model.layer_types "
+     "has no sliding layer with RoPE (full, sliding_nope); set it to 0"),
+    # a window without a sliding layer
+    ({"sliding_window": 8, "layer_types": "full,full_nope,full,full"}, "model.sliding_window=8 "
+     "is the sliding layers' window, but model.layer_types has none (full, full_nope); set it "
+     "to 0 or list sliding layers"),
 ])
 def test_a_bad_pattern_stops_in_one_line(fields, message):
     c = tiny.get_config()
@@ -287,6 +349,49 @@ def test_a_bad_pattern_stops_in_one_line(fields, message):
     with pytest.raises(ConfigError) as e:
         validate(c, 8)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_window_or_local_rope_that_some_layer_reads_is_valid():
+    """With layer_types empty every layer slides when sliding_window is set (its local RoPE
+    base too); with a list, a window and a local base that its sliding layers read."""
+    for fields in ({"sliding_window": 8}, {"sliding_window": 8, "local_rope_theta": 1e4},
+                   {"sliding_window": 8, "local_rope_theta": 1e4,
+                    "layer_types": "full,sliding,full_nope,sliding_nope"},
+                   {"sliding_window": 8, "layer_types": "full,full,full,sliding_nope"}):
+        c = tiny.get_config()
+        c.model.update(num_layers=4, **fields)
+        validate(c, 8)
+        kinds = pattern.kinds(c.model)
+        assert [k.window for k in kinds] == [8 if n.startswith("sliding") else 0
+                                             for n in pattern.names(c.model)]
+        local = [k.rope.theta for k, n in zip(kinds, pattern.names(c.model)) if n == "sliding"]
+        assert local == [fields.get("local_rope_theta") or c.model.rope_theta] * len(local)
+
+
+def test_a_layer_runs_only_with_its_kind(rng):
+    """Attention and Block hold no window or RoPE of their own: called without their layer's
+    kind they stop (a missing argument) instead of running the model's one window and RoPE,
+    whatever model.layer_types says; with it, a block of a 'full' layer in a model whose
+    sliding_window is set attends over the whole row."""
+    from model.layers import Attention, Block
+    c = family_config()
+    m = c.model
+    x = jnp.asarray(rng.standard_normal((1, L, m.d_model)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(L), (1, L))
+    seg = jnp.zeros((1, L), jnp.int32)
+    graphdef, stacked = nnx.split(random_model(rng, c).blocks)
+    one = nnx.merge(graphdef, jax.tree.map(lambda t: t[1], stacked))  # layer 1: a full one
+    attention = Attention(m, AttentionBackend(), jnp.float32, nnx.Rngs(0))
+    for call in (lambda: one(x, pos, seg), lambda: one.attend(x, pos, seg),
+                 lambda: attention(x, pos, seg), lambda: attention.attend(x, pos, seg)):
+        with pytest.raises(TypeError, match="kind"):
+            call()
+    full = pattern.kinds(m)[1]
+    assert full.window == 0 and m.sliding_window == W
+    # a token far past the window still moves the last position's output: no window applies
+    out, moved = jax.jit(lambda x: [one.attend(y, pos, seg, kind=full)[0]
+                                    for y in (x, x.at[:, 0].add(1.0))])(x)
+    assert np.abs(np.asarray(out - moved)[:, -1]).max() > 1e-6
 
 
 def test_repeat_runs_and_describe():
@@ -310,3 +415,60 @@ def test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact(rng):
     other = random_model(rng, family_config(remat="full", mlp_chunk=8), weights_of=plain)
     got_logits, got_grads = _logits_and_grads(other, tok, pos, seg, cot)
     assert_same(got_logits, got_grads, want_logits, want_grads)
+
+
+def _stack_config(layer_types, remat):
+    """7 layers (2 periods of 3 and a remainder of 1 for the pattern below) whose weights
+    outweigh a layer's activations, on fsdp x sequence = 2 x 2."""
+    c = tiny.get_config()
+    c.model.update(vocab_size=VOCAB, d_model=64, num_layers=7, num_heads=4, num_kv_heads=2,
+                   ffn_dim=512, dtype="float32", remat=remat, layer_types=layer_types,
+                   sliding_window=W if layer_types else 0)
+    c.attention.update(block_q=8, block_kv=8)
+    c.mesh.update(data=1, fsdp=2, sequence=2, tensor=1)
+    c.data.update(seq_len=48, batch_size=2)
+    return c
+
+
+def _train_step(c):
+    """(the compiled train step's HLO text, its temporary bytes, each stacked block weight's
+    per-device shape)."""
+    from training.state import Trainer
+    trainer = Trainer(c, make_mesh(c.mesh, jax.devices()[:c.mesh.fsdp * c.mesh.sequence]))
+    compiled = trainer.train_step.lower(trainer.abstract_state,
+                                        trainer.abstract_batch()).compile()
+    abstract = trainer.abstract_state.params["blocks"]
+    shapes = [tuple(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(abstract)]
+    return compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes, shapes
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_train_step_reads_and_writes_the_weight_stack_in_place(remat):
+    """A pattern whose depth is not a whole number of periods (sliding, sliding, full; 7 layers:
+    2 periods and a remainder of 1, as Gemma-3-1B's 26 = 4 x 6 + 2): the compiled train step
+    holds no array of a part of the stacked weights (k of the 7 layers, or periods x period),
+    makes no whole stack by a pad, concatenate or slice (a gradient joined from its pieces),
+    and needs less temporary memory than a stack more than the same stack with every layer
+    alike (which scans it as its input): no copy of the stack or of its gradient. (What it
+    does need more is a layer's worth: the switch between kinds keeps its branch's outputs
+    apart before the scan stores them.)"""
+    n = 7
+    hlo, temp, shapes = _train_step(_stack_config(pattern.repeat("sliding,sliding,full", n),
+                                                  remat))
+    rests = {s[1:] for s in shapes if len(s) >= 3}  # a layer's weight, rank >= 2
+    assert len(rests) >= 4 and all(s[0] == n for s in shapes)
+    parts, joined = [], []
+    for dims, op in re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", hlo):
+        d = tuple(int(x) for x in dims.split(",") if x)
+        if (len(d) > 1 and d[1:] in rests and 1 < d[0] < n) or (
+                len(d) > 2 and d[2:] in rests and min(d[:2]) > 1 and d[0] * d[1] <= n):
+            parts.append((op, d))
+        if len(d) > 1 and d[0] == n and d[1:] in rests and op in ("pad", "concatenate", "slice"):
+            joined.append((op, d))
+    stack = 4 * sum(math.prod(s) for s in shapes)
+    _, alike, _ = _train_step(_stack_config("", remat))
+    extra = (temp - alike) / stack
+    assert not parts and not joined and extra < 1, (
+        f"{len(parts)} arrays of part of the weight stack {sorted(set(parts))[:3]}..., "
+        f"{len(joined)} of the whole stack joined {sorted(set(joined))[:3]}; temporary memory "
+        f"{temp} bytes against {alike} with every layer alike: {extra:+.2f} stacks")

@@ -165,6 +165,32 @@ def test_collectives_are_counted_per_loop_iteration_in_the_accelerator_dtype():
     assert all(sorted(map(tuple, c.groups)) == [(0, 1), (1, 2), (2, 3), (3, 0)] for c in found)
 
 
+def test_a_layer_pattern_switch_counts_each_branch_as_often_as_its_kind():
+    """A scan over Gemma-3-1B's 26 layers switching to each layer's kind (model/decoder.py):
+    sliding layers (branch 0) shift once, full ones (branch 1) three times. The conditional runs
+    one branch a layer, as its constant table says (22 and 4 times): 22 + 4 x 3 = 34 transfers,
+    not 26 x (1 + 3) as if each branch ran every time. The table (26 entries) is one that
+    compiled.as_text() elides; program_text writes it out."""
+    mesh = jax.make_mesh((4,), ("ring",), devices=jax.devices()[:4])
+    pairs = [(i, (i + 1) % 4) for i in range(4)]
+    shift = lambda y: jax.lax.ppermute(y, "ring", pairs) * 2
+    table = [1 if i % 6 == 5 else 0 for i in range(26)]
+
+    def local(x):
+        branches = [shift, lambda y: shift(shift(shift(y) + 1) + 1)]
+        body = lambda c, kind: (jax.lax.switch(kind, branches, c), None)
+        return jax.lax.scan(body, x, jnp.asarray(table, jnp.int32))[0]
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("ring"), out_specs=P("ring")))
+    x = jax.ShapeDtypeStruct((4 * 16, 8), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(mesh, P("ring")))
+    compiled = f.lower(x).compile()
+    assert "{...}" in compiled.as_text() and "{...}" not in collectives.program_text(compiled)
+    found = [c for c in collectives.collectives(collectives.program_text(compiled), 4)
+             if c.kind == "collective-permute"]
+    assert sum(c.count for c in found) == 22 * 1 + 4 * 3
+
+
 def test_replica_groups_of_an_fsdp_gather_follow_the_mesh():
     mesh = jax.make_mesh((2, 4), ("fsdp", "sequence"))
     sharding = jax.sharding.NamedSharding(mesh, P("fsdp", None))

@@ -46,6 +46,7 @@ SLOW = {
     "test_multiprocess.py": "several processes, one run",
     "test_plan.py::test_a_mesh_or_config_that_does_not_divide_gives_one_line": "plan.py",
     "test_resume.py": "train.py runs, stopped and resumed",
+    "test_default_codegen.py": "a pytest process: compiled-program checks under XLA's defaults",
     "test_train_e2e.py": "train.py",
     "test_validate.py::test_cli_prints_one_line_and_no_traceback": "train.py",
     # Pallas in interpret mode
@@ -115,6 +116,8 @@ SLOW = {
     "test_pattern.py::test_mixed_stack_in_every_kernel": "Pallas interpret mode",
     "test_pattern.py::test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact":
         "two stacks' forward and backward",
+    "test_pattern.py::test_a_train_step_reads_and_writes_the_weight_stack_in_place":
+        "2 train steps compiled per policy (test_the_stack_is_one_scan_over_its_layers stays)",
     "test_sft.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching":
         "a train step per mesh (the first step's loss against transformers stays)",
     "test_sft.py::test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports":
@@ -207,4 +210,4 @@ NEXT = {
 FIRST = ["test_readme_commands.py", "test_kernels.py", "test_get_smollm2.py", "test_multiprocess.py",
          "test_hf_convert.py", "test_hf_families.py",
          "test_state.py", "test_harness.py", "test_plan.py", "test_kv_cache.py", "test_resume.py",
-         "test_attention.py", "test_pattern.py"]
+         "test_attention.py", "test_pattern.py", "test_default_codegen.py"]
