@@ -4,8 +4,10 @@ conftest.py compiles what the suite runs with LLVM's optimisations off (QUICK_CO
 of the suite's time); the HLO passes run either way, but what a check reads from the program
 (its copies, its temporary memory, a resumed run's bits) should not hold only for that
 setting. A fresh pytest, its conftest told to leave XLA's code generation at its defaults
-(STRIPEDJAX_DEFAULT_CODEGEN=1), runs the decode step's and the train step's no-copy checks and
-the bit-for-bit resume after SIGTERM. A process rather than compiler options on a compile here:
+(STRIPEDJAX_DEFAULT_CODEGEN=1), runs the decode step's no-copy checks and the bit-for-bit
+resume after SIGTERM (the train step's no-copy check, 50 s more under the defaults, stays with the
+suite's flags: what it reads, the stack's slices and joins, comes from XLA's HLO passes, which run
+either way). A process rather than compiler options on a compile here:
 the resume check's runs are train.py processes, which take XLA_FLAGS as they find them, and
 nothing needs to know the defaults to restore them. Its compilation cache and its reference
 run are its own: this session's were made with the quick flags, other programs."""
@@ -17,11 +19,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = [
     "tests/test_kv_cache.py::test_a_decode_step_copies_no_more_than_a_layer_of_the_cache",
-    "tests/test_pattern.py::test_a_train_step_reads_and_writes_the_weight_stack_in_place",
     "tests/test_resume.py::test_sigterm_finishes_the_step_saves_and_exits_zero",
     "tests/test_resume.py::test_resume_after_sigterm_continues_bit_for_bit",
 ]
-EXPECTED = 7 + 2 + 1 + 1  # the checks' parametrizations
+EXPECTED = 7 + 1 + 1  # the checks' parametrizations
 OWN = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
        "STRIPEDJAX_TEST_SHARED", "STRIPEDJAX_TEST_CPU", "PYTEST_CURRENT_TEST",
        "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS")

@@ -1,8 +1,8 @@
 """DPO: model/preference.py's losses against float64 formulas written here, data/preference.py's
 packed pairs and the reference pass, training/objective.py's Preference on a mesh: per-side
 log-probabilities are transformers', the first step's loss is ln 2 with zero rewards, the same
-step on any mesh, layout, strategy and microbatching; bad records counted; a run resumes
-exactly."""
+step on any mesh, layout, strategy and microbatching (two meshes that cover them); bad records
+counted; a run resumes exactly."""
 import json
 import math
 import shutil
@@ -241,6 +241,17 @@ def test_bad_records_are_counted_and_a_file_without_pairs_is_one_line(
     assert f"2 not preference pairs (first: {path} line 4: no 'rejected' field" in pipe.plan_line()
     with pytest.raises(DataError, match="the reference log-probabilities are not computed yet"):
         pipe.device_batch(0)
+    # a resume needs the reference its run computed at the start: missing, or another data's
+    from errors import CheckpointError
+    with pytest.raises(CheckpointError, match=r"reference_logps.npz is missing: a preference run "
+                                              r"resumes with the reference"):
+        pipe.prepare(None, None, tmp_path / "resumed", 4, print)
+    other = tmp_path / "other"
+    other.mkdir()
+    np.savez(other / "reference_logps.npz", train=np.zeros(2), heldout=np.zeros(2),
+             identity=np.frombuffer(b"{}", np.uint8))
+    with pytest.raises(CheckpointError, match="was computed for other pairs"):
+        pipe.prepare(None, None, other, 4, print)
     none = write_jsonl(tmp_path / "none.jsonl", [{"messages": []}])
     c = config(chat_run, pairs_file, tmp_path, path=str(none))
     with pytest.raises(DataError, match=r"no preference pair to train in .*none.jsonl: 1 not "
@@ -279,9 +290,6 @@ def test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports(chat_run, pairs_
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"reference log-probabilities: {half / 'reference_logps.npz'}" in resumed.stdout
     assert [tr.metrics(half)[s]["loss"] for s in (3, 4)] == [metrics[s]["loss"] for s in (3, 4)]
-    (half / "reference_logps.npz").unlink()
-    missing = dpo_run(chat_run, pairs_file, half)
-    assert missing.returncode == 2 and "reference_logps.npz is missing" in missing.stderr
     assert convert_hf.main(["export", "--run", str(whole), "--out", str(tmp_path / "out"),
                             "--dtype", "float32"]) == 0
     from transformers import AutoModelForCausalLM

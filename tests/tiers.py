@@ -202,7 +202,7 @@ NEXT = {
     "test_sft.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching"
     "[ring-striped-1x1x8x1-mb1]": "packed conversations' segments on a ring",
     "test_preference.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching"
-    "[ring-striped-1x1x8x1-mb1]": "packed pairs' sides gathered by segment on a ring",
+    "[usp-zigzag-1x1x8x1-mb2]": "packed pairs' sides gathered by segment under usp, microbatched",
 }
 
 # The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py
