@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from data import chat
 from data.pipeline import make_pipeline
@@ -124,6 +123,7 @@ def test_side_log_probs_are_transformers_and_the_first_step_is_ln2(chat_run, pai
     response tokens' log-probabilities (return_assistant_tokens_mask over prompt + response)
     is ours within 1e-4; at step 0 the policy is the reference: the loss is ln 2, the rewards
     and margin 0, and the step says how many pairs it saw."""
+    import torch  # the reference, from requirements-test.txt (the newest JAX's set lacks it)
     _, theirs, hf_tok, _, _ = chat_run
     records = pairs_file[1]
     c = config(chat_run, pairs_file, tmp_path)

@@ -8,9 +8,6 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
 import chat_templates as ct
 from configs import sft as sft_config
 from data import chat, sft
@@ -46,6 +43,8 @@ def write_jsonl(path: pathlib.Path, records) -> pathlib.Path:
 def chat_run(tmp_path_factory):
     """(an imported random Llama with a ChatML tokenizer whose template marks the assistant's
     tokens, transformers' model in float64 and tokenizer, the conversations' file, records)."""
+    import torch  # the reference, from requirements-test.txt (the newest JAX's set lacks it)
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     rng = np.random.default_rng(42)
     root = tmp_path_factory.mktemp("chat")
     hf_dir = root / "hf"
@@ -131,6 +130,7 @@ def test_the_first_step_loss_is_transformers_assistant_losses_over_the_total_cou
     its per-token losses where return_assistant_tokens_mask marks the label, summed over the
     conversations, over their total count, is our step's loss. So packing order, neighbours
     and padding cannot change it."""
+    import torch
     _, theirs, hf_tok, _, records = chat_run
     c = config(chat_run, tmp_path)
     pipe, mesh = pipeline(c)
@@ -348,6 +348,7 @@ def test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports(chat
     # the export carries the run's template: transformers renders a chat as we do
     assert convert_hf.main(["export", "--run", str(whole), "--out", str(tmp_path / "hf_out"),
                             "--dtype", "float32"]) == 0
+    from transformers import AutoTokenizer
     exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf_out"))
     messages = chat_run[4][0]["messages"]
     assert exported.apply_chat_template(messages, tokenize=False) == \
@@ -358,6 +359,7 @@ def test_generate_chat_gives_transformers_greedy_reply(chat_run, capsys):
     """generate.py --chat on the import: the prompt rendered with the generation prompt, the
     reply transformers' greedy continuation of apply_chat_template(add_generation_prompt=True),
     ending at the end of turn."""
+    import torch
     from scripts import generate
     run, theirs, hf_tok, _, _ = chat_run
     messages = [{"role": "system", "content": "Be brief."},

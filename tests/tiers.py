@@ -199,10 +199,10 @@ NEXT = {
     # the loop's clock against a dispatch that blocks (a GPU's)
     "test_loop.py": "jax.block_until_ready and dispatch",
     # a chat batch's step on a striped ring against one device
-    "test_sft.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching"
-    "[ring-striped-1x1x8x1-mb1]": "packed conversations' segments on a ring",
-    "test_preference.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching"
-    "[usp-zigzag-1x1x8x1-mb2]": "packed pairs' sides gathered by segment under usp, microbatched",
+    # a preference loss's sides gathered by segment (jax.ops.segment_sum) and its gradient
+    "test_preference.py::test_sides_are_read_by_segment_in_any_order": "segment sums",
+    "test_preference.py::test_losses_and_their_gradients_are_the_float64_formulas":
+        "the DPO losses' gradients",
 }
 
 # The files that take minutes of one worker in `make test`, costliest first (scripts/test_times.py
