@@ -117,7 +117,7 @@ SLOW = {
     "test_pattern.py::test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact":
         "two stacks' forward and backward",
     "test_pattern.py::test_a_train_step_reads_and_writes_the_weight_stack_in_place":
-        "2 train steps compiled per policy (test_the_stack_is_one_scan_over_its_layers stays)",
+        "2 train steps compiled (test_the_stack_is_one_scan_over_its_layers stays)",
     "test_sft.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching":
         "a train step per mesh (the first step's loss against transformers stays)",
     "test_sft.py::test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports":
