@@ -9,16 +9,19 @@ import tempfile
 # passes all run): most programs here run once or twice, so compiling them is most of the
 # suite's time, and this takes a quarter to a third of it off (same values within fp32 noise;
 # where a test compares bits, both sides are compiled alike). The processes a test starts
-# inherit these flags unless it gives them XLA_FLAGS of their own: none, as a user's shell
-# (tests/test_readme_commands.py), a device count alone (tests/test_train_e2e.py), or these on
-# purpose (tests/trained_run.py: the same programs as the test's own, bit for bit).
-# STRIPEDJAX_DEFAULT_CODEGEN=1 leaves XLA's code generation at its defaults: the few checks of
-# compiled programs that tests/test_default_codegen.py runs once more that way.
+# inherit these flags unless it gives them XLA_FLAGS of their own: these without the device
+# count, as a user's shell whose processes simulate their own devices (USER_XLA_FLAGS:
+# tests/test_readme_commands.py, the launchers of helpers.launcher_env), a device count alone
+# (tests/test_train_e2e.py), or these on purpose (tests/trained_run.py: the same programs as
+# the test's own, bit for bit). STRIPEDJAX_DEFAULT_CODEGEN=1 leaves XLA's code generation at
+# its defaults: the checks of compiled programs that tests/test_default_codegen.py runs once
+# more that way (its train.py processes among them), and everything else when a user sets it.
 QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 DEFAULT_CODEGEN = os.environ.get("STRIPEDJAX_DEFAULT_CODEGEN") == "1"
+USER_XLA_FLAGS = "" if DEFAULT_CODEGEN else QUICK_CODEGEN
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
-    + ("" if DEFAULT_CODEGEN else QUICK_CODEGEN)).strip()
+    + USER_XLA_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One JAX compilation cache for the whole run, fresh each time: the pytest workers and every
 # process they start inherit it, so a program compiled by one of them (the tiny model's train

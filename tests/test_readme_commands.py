@@ -3,8 +3,8 @@ print runs as printed (with tiny sizes appended), or is listed in docs/readme_co
 skipped with a reason. Every relative link in those pages points at a file that exists (and a
 heading that exists, for links into a page), and the README stays a front page.
 
-Run as a new user would on a CPU: a subprocess from the repository root, without XLA_FLAGS or
-JAX_PLATFORMS, checking the exit code and the output. The commands of a script that keeps no
+Run as a new user would on a CPU: a subprocess from the repository root, without JAX_PLATFORMS
+or a device count (user_env), checking the exit code and the output. The commands of a script that keeps no
 state between runs (SHARED: the planner without compiling, the schedule model, the corpus
 writer, the GPU compile report) share one such process, each run as the script's __main__."""
 import os
@@ -166,8 +166,14 @@ def shared_tmp(tmp_path_factory):
 
 
 def user_env() -> dict:
-    """A new user's shell on a CPU: no XLA_FLAGS or JAX_PLATFORMS."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    """A new user's shell on a CPU: no JAX_PLATFORMS, and XLA_FLAGS without a device count
+    (the suite's code generation only, conftest.USER_XLA_FLAGS: the commands simulate their
+    own devices, and the programs they compile are the suite's costliest)."""
+    from conftest import USER_XLA_FLAGS
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if USER_XLA_FLAGS:
+        env["XLA_FLAGS"] = USER_XLA_FLAGS
+    return env
 
 
 _SHARED_RESULTS: dict[int, tuple[int, str]] = {}
