@@ -187,17 +187,24 @@ def _branch_table(name: str, comp: dict, mod: Module, outer=None,
         return _branch_table(ins.operands[0], comp, mod, outer, depth + 1)
     if ins.opcode == "dynamic-slice" and ins.operands:
         return _branch_table(ins.operands[0], comp, mod, outer, depth + 1)
+    across = _across_fusion(ins, comp, mod, outer)
+    return _branch_table(*across, depth + 1) if across else None
+
+
+def _across_fusion(ins, comp: dict, mod: Module, outer):
+    """Where a value traced back to its source goes on from a fusion (into its fused root) or
+    from a fused computation's parameter (out to that operand of the fusion):
+    (name, computation, mod, outer) to trace next, or None."""
     if ins.opcode == "fusion":
         callee = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
         fused = callee and callee.group(1)
-        if fused not in mod.comps or fused not in mod.roots:
-            return None
-        return _branch_table(mod.roots[fused], mod.comps[fused], mod, (ins, comp), depth + 1)
-    if ins.opcode == "parameter" and outer is not None and ins.operands:
-        idx = int(re.match(r"\s*(\d+)", ins.operands[0]).group(1))
+        if fused in mod.comps and fused in mod.roots:
+            return mod.roots[fused], mod.comps[fused], mod, (ins, comp)
+    elif ins.opcode == "parameter" and outer is not None:
+        idx = int(re.match(r"\s*(\d+)", ins.operands[0]).group(1)) if ins.operands else 0
         fusion, parent = outer
         if idx < len(fusion.operands):
-            return _branch_table(fusion.operands[idx], parent, mod, None, depth + 1)
+            return fusion.operands[idx], parent, mod, None
     return None
 
 
@@ -255,18 +262,8 @@ def _promoted_bf16(name: str, comp: dict, mod: Module, outer=None, depth: int = 
         return src is not None and _dtype(src.type) == "bf16"
     if ins.opcode in _PASS_THROUGH and ins.operands:
         return _promoted_bf16(ins.operands[0], comp, mod, outer, depth + 1)
-    if ins.opcode == "fusion":
-        callee = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
-        fused = callee and callee.group(1)
-        if fused not in mod.comps or fused not in mod.roots:
-            return False
-        return _promoted_bf16(mod.roots[fused], mod.comps[fused], mod, (ins, comp), depth + 1)
-    if ins.opcode == "parameter" and outer is not None:
-        idx = int(re.match(r"\s*(\d+)", ins.operands[0]).group(1)) if ins.operands else 0
-        fusion, parent = outer
-        if idx < len(fusion.operands):
-            return _promoted_bf16(fusion.operands[idx], parent, mod, None, depth + 1)
-    return False
+    across = _across_fusion(ins, comp, mod, outer)
+    return _promoted_bf16(*across, depth + 1) if across else False
 
 
 def _iota(spec: str) -> np.ndarray:

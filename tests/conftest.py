@@ -11,8 +11,8 @@ import tempfile
 # where a test compares bits, both sides are compiled alike). The processes a test starts
 # inherit these flags unless it gives them XLA_FLAGS of their own: these without the device
 # count, as a user's shell whose processes simulate their own devices (USER_XLA_FLAGS:
-# tests/test_readme_commands.py, the launchers of helpers.launcher_env), a device count alone
-# (tests/test_train_e2e.py), or these on purpose (tests/trained_run.py: the same programs as
+# tests/test_readme_commands.py, the launchers of helpers.launcher_env), a device count of its
+# own (tests/test_train_e2e.py), or these on purpose (tests/trained_run.py: the same programs as
 # the test's own, bit for bit). STRIPEDJAX_DEFAULT_CODEGEN=1 leaves XLA's code generation at
 # its defaults: the checks of compiled programs that tests/test_default_codegen.py runs once
 # more that way (its train.py processes among them), and everything else when a user sets it.

@@ -15,8 +15,11 @@ atexit.register(shutil.rmtree, SESSION, ignore_errors=True)
 
 
 def run_train(workdir, *overrides, devices=8):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
+    # the device count, and the code generation of the README's tiny run (the same program:
+    # one compile between them)
+    from conftest import USER_XLA_FLAGS
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
+        [f"--xla_force_host_platform_device_count={devices}", USER_XLA_FLAGS]).strip())
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
            "--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
            "--config.data.max_docs=120", "--config.model.vocab_size=512",
