@@ -195,25 +195,21 @@ def _compare_with_one_device(backend, sequence, layout):
     assert_same(got_logits, got_grads, want_logits[:, perm], want_grads)
 
 
-@pytest.mark.parametrize("layout,impl,sequence", [
-    ("contiguous", "ring", 4), ("striped", "ring", 4), ("zigzag", "ring", 4),
-    ("striped", "allgather", 4), ("zigzag", "ulysses", 2), ("contiguous", "usp", 4)])
-def test_mixed_stack_in_every_layout_and_strategy(layout, impl, sequence):
-    """The logits and every gradient equal one device's (fp32 noise), packed documents."""
+@pytest.mark.parametrize("layout,impl,sequence,kernel", [
+    ("contiguous", "ring", 4, "xla"), ("striped", "ring", 4, "pallas_gpu"),
+    ("zigzag", "ring", 4, "pallas_tpu"), ("contiguous", "ring", 4, "cudnn"),
+    ("striped", "allgather", 4, "xla"), ("zigzag", "ulysses", 2, "xla"),
+    ("contiguous", "usp", 4, "xla")])
+def test_mixed_stack_in_every_layout_strategy_and_kernel(layout, impl, sequence, kernel):
+    """The logits and every gradient equal one device's (fp32 noise), packed documents: every
+    layout, strategy and kernel at least once (a covering set, as test_kernels' is), each
+    kernel on a ring (the fused ones in interpret mode, cuDNN's with its dense stand-in); on the
+    contiguous ring the local layers stop after their second round."""
     mesh = make_mesh({"data": 1, "fsdp": 8 // sequence, "sequence": sequence, "tensor": 1})
-    backend = AttentionBackend(impl=impl, layout=layout, mesh=mesh, ulysses=2, block_q=4,
-                               block_kv=4)
+    block = 4 if kernel == "xla" else 8  # the fused kernels' tiles: 8 rows at the least
+    backend = AttentionBackend(impl=impl, layout=layout, mesh=mesh, kernel=kernel, ulysses=2,
+                               block_q=block, block_kv=block)
     _compare_with_one_device(backend, sequence, layout)
-
-
-@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu", "cudnn"])
-def test_mixed_stack_in_every_kernel(kernel):
-    """The fused kernels (interpret mode) and cudnn's stand-in, on a contiguous ring of 4 whose
-    local layers stop after their second round."""
-    mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
-    backend = AttentionBackend(impl="ring", layout="contiguous", mesh=mesh, kernel=kernel,
-                               block_q=8, block_kv=8)
-    _compare_with_one_device(backend, 4, "contiguous")
 
 
 def _layer_scans(model, rows, rng):

@@ -111,9 +111,8 @@ SLOW = {
         "every layout and strategy, generating",
     "test_kv_cache.py::test_a_layer_pattern_reads_each_layer_under_its_own_window_and_rope":
         "a 7-layer pattern's prefill and decode compiled",
-    "test_pattern.py::test_mixed_stack_in_every_layout_and_strategy":
-        "a mixed stack's forward and backward per strategy",
-    "test_pattern.py::test_mixed_stack_in_every_kernel": "Pallas interpret mode",
+    "test_pattern.py::test_mixed_stack_in_every_layout_strategy_and_kernel":
+        "a mixed stack's forward and backward per strategy, Pallas interpret mode",
     "test_pattern.py::test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact":
         "two stacks' forward and backward",
     "test_pattern.py::test_a_train_step_reads_and_writes_the_weight_stack_in_place":
