@@ -10,9 +10,9 @@ import tempfile
 # suite's time, and this takes a quarter to a third of it off (same values within fp32 noise;
 # where a test compares bits, both sides are compiled alike). The processes a test starts
 # inherit these flags unless it gives them XLA_FLAGS of their own: these without the device
-# count, as a user's shell whose processes simulate their own devices (USER_XLA_FLAGS:
-# tests/test_readme_commands.py, the launchers of helpers.launcher_env), a device count of its
-# own (tests/test_train_e2e.py), or these on purpose (tests/trained_run.py: the same programs as
+# count, as a user's shell whose processes simulate their own devices (user_process_env:
+# tests/test_readme_commands.py, the launchers of helpers.launcher_env), these with a device
+# count of its own (tests/test_train_e2e.py), or these on purpose (tests/trained_run.py: the same programs as
 # the test's own, bit for bit). STRIPEDJAX_DEFAULT_CODEGEN=1 leaves XLA's code generation at
 # its defaults: the checks of compiled programs that tests/test_default_codegen.py runs once
 # more that way (its train.py processes among them), and everything else when a user sets it.
@@ -22,6 +22,17 @@ USER_XLA_FLAGS = "" if DEFAULT_CODEGEN else QUICK_CODEGEN
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
     + USER_XLA_FLAGS).strip()
+
+
+def user_process_env(devices: int = 0, **env: str) -> dict:
+    """The environment of a process a test starts as a user's shell would: no JAX_PLATFORMS,
+    XLA_FLAGS holding USER_XLA_FLAGS (and a device count when ``devices`` is given, else the
+    process simulates its own), then ``env``."""
+    out = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    count = f"--xla_force_host_platform_device_count={devices}" if devices else ""
+    flags = " ".join(filter(None, [count, USER_XLA_FLAGS]))
+    return {**out, **({"XLA_FLAGS": flags} if flags else {}), **env}
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One JAX compilation cache for the whole run, fresh each time: the pytest workers and every
 # process they start inherit it, so a program compiled by one of them (the tiny model's train

@@ -191,14 +191,9 @@ TWO_PROCESS_TINY = [
 
 
 def launcher_env() -> dict:
-    """A user's CPU shell for a launcher: it sets each process's own device count (XLA_FLAGS
-    carries the suite's code generation only: conftest.USER_XLA_FLAGS)."""
-    from conftest import USER_XLA_FLAGS
-    e = dict(os.environ, JAX_PLATFORMS="cpu")
-    e.pop("XLA_FLAGS", None)
-    if USER_XLA_FLAGS:
-        e["XLA_FLAGS"] = USER_XLA_FLAGS
-    return e
+    """A user's CPU shell for a launcher: it sets each process's own device count."""
+    from conftest import user_process_env
+    return user_process_env(JAX_PLATFORMS="cpu")
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -4,10 +4,10 @@ skipped with a reason. Every relative link in those pages points at a file that 
 heading that exists, for links into a page), and the README stays a front page.
 
 Run as a new user would on a CPU: a subprocess from the repository root, without JAX_PLATFORMS
-or a device count (user_env), checking the exit code and the output. The commands of a script that keeps no
-state between runs (SHARED: the planner without compiling, the schedule model, the corpus
-writer, the GPU compile report) share one such process, each run as the script's __main__."""
-import os
+or a device count (conftest.user_process_env: the commands simulate their own devices),
+checking the exit code and the output. The commands of a script that keeps no state between
+runs (SHARED: the planner without compiling, the schedule model, the corpus writer, the GPU
+compile report) share one such process, each run as the script's __main__."""
 import pathlib
 import re
 import shlex
@@ -15,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import user_process_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIST = ROOT / "docs" / "readme_commands.txt"
@@ -165,17 +167,6 @@ def shared_tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("readme")
 
 
-def user_env() -> dict:
-    """A new user's shell on a CPU: no JAX_PLATFORMS, and XLA_FLAGS without a device count
-    (the suite's code generation only, conftest.USER_XLA_FLAGS: the commands simulate their
-    own devices, and the programs they compile are the suite's costliest)."""
-    from conftest import USER_XLA_FLAGS
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    if USER_XLA_FLAGS:
-        env["XLA_FLAGS"] = USER_XLA_FLAGS
-    return env
-
-
 _SHARED_RESULTS: dict[int, tuple[int, str]] = {}
 
 
@@ -185,7 +176,7 @@ def run_shared(script, tmp) -> None:
     entries = [e for e in RUN if shared_script(argv_of(e, tmp)) == script]
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "run_commands.py"),
                            json.dumps([argv_of(e, tmp) for e in entries])], cwd=ROOT,
-                          env=user_env(), capture_output=True, text=True, timeout=600)
+                          env=user_process_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for e, r in zip(entries, json.loads(proc.stdout.splitlines()[-1])):
         _SHARED_RESULTS[e["line"]] = r["returncode"], r["output"]
@@ -201,7 +192,7 @@ def test_printed_command_runs(entry, shared_tmp):
             run_shared(script, shared_tmp)
         code, out = _SHARED_RESULTS[entry["line"]]
     else:
-        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=user_env(),
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=user_process_env(),
                               capture_output=True, text=True, timeout=600)
         code, out = proc.returncode, proc.stdout + proc.stderr
     assert code == 0, f"{text}\nexit {code}\n{out[-3000:]}"

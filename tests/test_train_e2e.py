@@ -9,17 +9,16 @@ import subprocess
 import sys
 import tempfile
 
+from conftest import user_process_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SESSION = pathlib.Path(tempfile.mkdtemp(prefix="e2e_tests_"))
 atexit.register(shutil.rmtree, SESSION, ignore_errors=True)
 
 
 def run_train(workdir, *overrides, devices=8):
-    # the device count, and the code generation of the README's tiny run (the same program:
-    # one compile between them)
-    from conftest import USER_XLA_FLAGS
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
-        [f"--xla_force_host_platform_device_count={devices}", USER_XLA_FLAGS]).strip())
+    # the code generation of the README's tiny run (the same program: one compile between them)
+    env = user_process_env(devices, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
            "--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
            "--config.data.max_docs=120", "--config.model.vocab_size=512",
