@@ -123,7 +123,11 @@ SLOW = {
         "three chat runs (train.py's entry, in process) and an export",
     "test_sft.py::test_generate_chat_gives_transformers_greedy_reply": "generate.py's main()",
     "test_preference.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching":
-        "a train step per mesh (the first step against transformers stays)",
+        "a train step per mesh (the losses' float64 formulas stay)",
+    "test_preference.py::test_side_log_probs_are_transformers_and_the_first_step_is_ln2":
+        "a DPO train step compiled (8 CPU s)",
+    "test_loop.py::test_tokens_per_s_counts_each_interval_once_when_dispatch_blocks":
+        "a train step compiled (12 CPU s)",
     "test_preference.py::test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports":
         "three DPO runs (train.py's entry, in process) and an export",
 }
