@@ -19,7 +19,12 @@ NEXT_SKIP := --ignore=tests/test_rope.py --ignore=tests/test_window_hf.py --igno
 # most tests wait on one-threaded XLA compiles or on their subprocesses, so on two cores three keep
 # both busy (767 tests on one tree: 13 min 42 s with two, 12 min 20 s with three; 822 tests,
 # 2026-12-03: 11 min 25 s with three and with four: both cores busy). TEST_WORKERS=0: one process.
-PYTEST := -m pytest -q -n $(or $(TEST_WORKERS),3) --dist loadfile
+# A worker that dies (a crash, or a test past 15 minutes: faulthandler prints every thread's
+# stack, then exits) fails the run at once, naming the test: pytest-xdist 3.8's replacement worker
+# under --dist loadfile reruns the test that killed its predecessor, then can wait forever (a CI
+# run hung 75 minutes after one crash).
+PYTEST := -m pytest -q -n $(or $(TEST_WORKERS),3) --dist loadfile --max-worker-restart=0 \
+  -o faulthandler_timeout=900 -o faulthandler_exit_on_timeout=true
 # More pytest arguments for any test target (.ci/run: --durations=15).
 PYTEST_ARGS ?=
 

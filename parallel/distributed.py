@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+from parallel.host_devices import FLAG, patient_collectives
+
 # XLA CPU has no intra-op thread-count flag: Eigen's pool is turned off and XLA's own runtime
 # sizes its pool from the CPU affinity, which taskset pins to one core.
 ONE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -68,11 +70,12 @@ def is_peer_error(e: BaseException) -> bool:
 
 
 def simulate_cpu_devices(n: int) -> None:
-    """Asks XLA for ``n`` simulated CPU devices unless the caller already chose a count. Must
-    run before jax is imported (XLA reads the flag once)."""
+    """Asks XLA for ``n`` simulated CPU devices (patient at collectives:
+    parallel/host_devices.py) unless the caller already chose a count. Must run before jax is
+    imported (XLA reads the flag once)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if FLAG not in flags:
+        os.environ["XLA_FLAGS"] = patient_collectives(f"{flags} {FLAG}={n}".strip())
 
 
 def free_port(low: int | None = None, high: int | None = None) -> int:
@@ -138,9 +141,8 @@ def spawn_local(argv: list[str], processes: int, devices_per_process: int = 1,
         if cores and len(cores) < processes:
             print(f"warning: {processes} processes on {len(cores)} cores: they will share cores",
                   file=sys.stderr)
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(filter(None, [
-            os.environ.get("XLA_FLAGS", ""), ONE_THREAD_FLAGS,
-            f"--xla_force_host_platform_device_count={devices_per_process}"])))
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=patient_collectives(" ".join(filter(None, [
+            os.environ.get("XLA_FLAGS", ""), ONE_THREAD_FLAGS, f"{FLAG}={devices_per_process}"]))))
     procs, relays = [], []
     for i in range(processes):
         cmd, own = [sys.executable, *argv], dict(env)

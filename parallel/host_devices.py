@@ -5,8 +5,8 @@ A config names a mesh of N devices; a CPU has one device unless XLA_FLAGS carrie
 ``--xla_force_host_platform_device_count=N``, which XLA reads once, when jax starts. So the
 commands that build a mesh from a config (train.py, scripts/bench_checkpoint.py,
 scripts/bench_data.py) call ``simulate_for_mesh`` first, and those that evaluate a run on its
-own mesh (scripts/eval.py, scripts/eval_passkey.py) ``simulate_for_run``. It appends that flag to XLA_FLAGS,
-and says so in one line, only when all of these hold:
+own mesh (scripts/eval.py, scripts/eval_passkey.py) ``simulate_for_run``. It appends that flag to XLA_FLAGS
+(with a longer wait at collectives: PATIENT_COLLECTIVES), and says so in one line, only when all of these hold:
 
 - XLA_FLAGS sets no device count yet (the user's, ``make demo``'s or the launcher's wins);
 - the run is one process: no ``--coordinator`` / ``--num_processes`` / ``--process_id``, no
@@ -31,6 +31,19 @@ from errors import ClusterError
 
 AXES = ("data", "fsdp", "sequence", "tensor")  # parallel.mesh.AXES; that module imports jax
 FLAG = "--xla_force_host_platform_device_count"
+# XLA ends a process (SIGABRT: "Termination timeout for `all reduce ...` exceeded. Exiting to
+# ensure a consistent program state") when a device's thread waits at an in-process collective
+# for 20 + 40 s (its defaults). Simulated devices share the host's cores, so a wait that long is
+# a loaded machine or a lopsided step, not a hang: a CI run of the suite on 2 cores lost a
+# worker to it. Where this module simulates devices it gives them 20 + 600 s; a user's own
+# value in XLA_FLAGS wins.
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+PATIENT_COLLECTIVES = f"{COLLECTIVE_TIMEOUT_FLAG}=600"
+
+
+def patient_collectives(flags: str) -> str:
+    """``flags`` (an XLA_FLAGS value) with PATIENT_COLLECTIVES unless they set that timeout."""
+    return flags if COLLECTIVE_TIMEOUT_FLAG in flags else f"{flags} {PATIENT_COLLECTIVES}".strip()
 
 
 def mesh_devices(mesh_cfg) -> int:
@@ -73,7 +86,7 @@ def simulate_for_mesh(mesh_cfg, *, multi_process: bool = False, environ=os.envir
     if (n <= 1 or FLAG in flags or multi_process or multi_process_env(environ)
             or not on_cpu(environ)):
         return 0
-    environ["XLA_FLAGS"] = f"{flags} {FLAG}={n}".strip()
+    environ["XLA_FLAGS"] = patient_collectives(f"{flags} {FLAG}={n}".strip())
     sizes = " ".join(f"{a}={mesh_cfg[a]}" for a in AXES if a in mesh_cfg)
     (say or (lambda line: print(line, flush=True)))(
         f"simulating {n} CPU devices for the config's mesh ({sizes}): "

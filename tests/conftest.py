@@ -5,6 +5,9 @@ import shutil
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parallel.host_devices import patient_collectives  # noqa: E402  (imports no jax)
+
 # LLVM's optimisations at level 0 for what the tests compile in their own processes (the HLO
 # passes all run): most programs here run once or twice, so compiling them is most of the
 # suite's time, and this takes a quarter to a third of it off (same values within fp32 noise;
@@ -16,9 +19,12 @@ import tempfile
 # the test's own, bit for bit). STRIPEDJAX_DEFAULT_CODEGEN=1 leaves XLA's code generation at
 # its defaults: the checks of compiled programs that tests/test_default_codegen.py runs once
 # more that way (its train.py processes among them), and everything else when a user sets it.
+# Every process also waits 20 + 600 s, not XLA's 20 + 40, for the simulated devices at a
+# collective (parallel/host_devices.PATIENT_COLLECTIVES): three workers and their processes on
+# two cores once kept one waiting over a minute, and XLA aborted the worker.
 QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 DEFAULT_CODEGEN = os.environ.get("STRIPEDJAX_DEFAULT_CODEGEN") == "1"
-USER_XLA_FLAGS = "" if DEFAULT_CODEGEN else QUICK_CODEGEN
+USER_XLA_FLAGS = patient_collectives("" if DEFAULT_CODEGEN else QUICK_CODEGEN)
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
     + USER_XLA_FLAGS).strip()
@@ -47,7 +53,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 if "STRIPEDJAX_TEST_SHARED" not in os.environ:
     os.environ["STRIPEDJAX_TEST_SHARED"] = tempfile.mkdtemp(prefix="stripedjax-tests-")
     atexit.register(shutil.rmtree, os.environ["STRIPEDJAX_TEST_SHARED"], True)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 import numpy as np  # noqa: E402  (after the environment above: nothing here imports jax)

@@ -8,7 +8,7 @@ import pytest
 
 from configs import base, tiny
 from parallel import host_devices
-from parallel.host_devices import FLAG, mesh_devices, simulate_for_mesh
+from parallel.host_devices import FLAG, PATIENT_COLLECTIVES, mesh_devices, simulate_for_mesh
 
 
 def mesh(**sizes):
@@ -34,12 +34,23 @@ def test_simulates_on_a_cpu_and_appends_to_existing_flags(cpu_only):
     said = []
     env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
     assert simulate_for_mesh(mesh(fsdp=2, sequence=4), environ=env, say=said.append) == 8
-    assert env["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {FLAG}=8"  # one space, no stray tokens
+    # one space, no stray tokens (XLA drops every flag after one it cannot parse)
+    assert env["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {FLAG}=8 {PATIENT_COLLECTIVES}"
     assert said == [f"simulating 8 CPU devices for the config's mesh (data=1 fsdp=2 sequence=4 "
-                    f"tensor=1): XLA_FLAGS=--xla_dump_to=/tmp/x {FLAG}=8"]
+                    f"tensor=1): XLA_FLAGS=--xla_dump_to=/tmp/x {FLAG}=8 {PATIENT_COLLECTIVES}"]
     env = {"JAX_PLATFORMS": "cpu"}
     assert simulate_for_mesh(mesh(fsdp=-1, sequence=2), environ=env, say=said.append) == 2
-    assert env["XLA_FLAGS"] == f"{FLAG}=2"
+    assert env["XLA_FLAGS"] == f"{FLAG}=2 {PATIENT_COLLECTIVES}"
+
+
+def test_simulated_devices_wait_longer_at_collectives_unless_the_user_says(cpu_only):
+    """XLA aborts a process whose device waits 20 + 40 s at a collective; simulated devices
+    share the cores, so they get 20 + 600 s, once, and a user's own timeout is kept."""
+    assert PATIENT_COLLECTIVES == "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+    env = {"XLA_FLAGS": "--xla_cpu_collective_call_terminate_timeout_seconds=5"}
+    assert simulate_for_mesh(mesh(sequence=4), environ=env, say=lambda line: None) == 4
+    assert env["XLA_FLAGS"] == f"--xla_cpu_collective_call_terminate_timeout_seconds=5 {FLAG}=4"
+    assert host_devices.patient_collectives(PATIENT_COLLECTIVES) == PATIENT_COLLECTIVES
 
 
 @pytest.mark.parametrize("env,multi_process", [
@@ -94,7 +105,7 @@ def test_a_run_directory_simulates_the_mesh_it_trained_on(cpu_only, tmp_path):
     (tmp_path / "config.json").write_text(config.to_json())
     env, said = {}, []
     assert host_devices.simulate_for_run(tmp_path, environ=env, say=said.append) == 2 * s * t
-    assert env["XLA_FLAGS"] == f"{FLAG}={2 * s * t}" and len(said) == 1
+    assert env["XLA_FLAGS"] == f"{FLAG}={2 * s * t} {PATIENT_COLLECTIVES}" and len(said) == 1
     env = {}
     assert host_devices.simulate_for_run(tmp_path / "nowhere", environ=env) == 0 and env == {}
     (tmp_path / "config.json").write_text("{not json")
