@@ -1,6 +1,5 @@
 """training/loop.py: what the loop measures and logs, apart from the end-to-end runs."""
 import json
-import time
 
 import jax
 import pytest
@@ -10,13 +9,26 @@ from training import loop
 from training.optim import schedule
 from training.state import Trainer
 
-PAUSE_S = 0.25  # far longer than a tiny step: the only cost a log interval may count
+PAUSE_S = 0.25  # virtual seconds a step takes: the only cost a log interval may count
+
+
+class VirtualClock:
+    """The loop's clock, advanced only by the steps: each logged tokens/s is then exact, whatever
+    else the machine runs (a real sleep let a loaded CI machine's scheduling noise through)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
 
 
 class BlockingDispatch(Trainer):
-    """A trainer whose step dispatch returns only once the step is done, and PAUSE_S later: what
-    an H200 does with a 1B model's step (its kernels fill the launch queue, so the dispatch
-    returns near the end of the step)."""
+    """A trainer whose step dispatch returns only once the step is done, PAUSE_S later on the
+    clock: what an H200 does with a 1B model's step (its kernels fill the launch queue, so the
+    dispatch returns near the end of the step)."""
+
+    clock: VirtualClock
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -25,7 +37,7 @@ class BlockingDispatch(Trainer):
         def synchronous(state, batch):
             out = step(state, batch)
             jax.block_until_ready(out)
-            time.sleep(PAUSE_S)
+            self.clock.now += PAUSE_S
             return out
 
         self.train_step = synchronous
@@ -36,15 +48,19 @@ def test_tokens_per_s_counts_each_interval_once_when_dispatch_blocks(tmp_path, m
     that blocks for its step, the first log step read half the speed and the last twice it while
     the clock was read after the next step's dispatch. The learning rate logged is the
     schedule's at the step (it travels in the step's metrics)."""
+    clock = VirtualClock()
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(BlockingDispatch, "clock", clock, raising=False)
     monkeypatch.setattr(loop, "Trainer", BlockingDispatch)
     # the reference run's schedule, so its compiled step is reused (a schedule is in the program)
     config = tr.config(**{"train.log_every": 8, "train.eval_batches": 0, "checkpoint.every": 0})
     loop.run(config, tmp_path)
     records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(8, tr.STEPS + 1, 8))
-    # seconds per step as logged (step 8: the 7 steps after the compiled first; then 8 each)
+    # seconds per step as logged (step 8: the 7 steps after the compiled first; then 8 each):
+    # a clock read one dispatch late gives 8/7 of a step at step 8 and 7/8 at the last
     per_step = [config.data.batch_size * config.data.seq_len / r["tokens_per_s"] for r in records]
-    assert min(per_step) >= PAUSE_S and max(per_step) < 1.25 * min(per_step), per_step
+    assert per_step == pytest.approx([PAUSE_S] * len(records), rel=1e-9), per_step
     lr = schedule(config.train)
     for r in records:
         assert r["lr"] == pytest.approx(float(lr(r["step"] - 1)), rel=1e-6)
