@@ -29,6 +29,13 @@ QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 # 24.7 s of XLA compile); 0.11 removed the choice, and an unknown flag aborts XLA.
 if tuple(int(n) for n in version("jaxlib").split(".")[:2]) < (0, 11):
     QUICK_CODEGEN += " --xla_cpu_use_fusion_emitters=false"
+# XLA's own values of those options, for a program a test runs hundreds of times, where running
+# it costs more than compiling it: ``jitted.lower(...).compile(compiler_options=FULL_CODEGEN)``
+# (the passkey model of test_eval_passkey.py, trained about 200 steps: 18 CPU s, not 33, with
+# pytest's start).
+FULL_CODEGEN = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
+                **({"xla_cpu_use_fusion_emitters": True} if "fusion_emitters" in QUICK_CODEGEN
+                   else {})}
 DEFAULT_CODEGEN = os.environ.get("STRIPEDJAX_DEFAULT_CODEGEN") == "1"
 USER_XLA_FLAGS = patient_collectives("" if DEFAULT_CODEGEN else QUICK_CODEGEN)
 os.environ["XLA_FLAGS"] = (
