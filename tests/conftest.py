@@ -31,8 +31,8 @@ if tuple(int(n) for n in version("jaxlib").split(".")[:2]) < (0, 11):
     QUICK_CODEGEN += " --xla_cpu_use_fusion_emitters=false"
 # XLA's own values of those options, for a program a test runs hundreds of times, where running
 # it costs more than compiling it: ``jitted.lower(...).compile(compiler_options=FULL_CODEGEN)``
-# (the passkey model of test_eval_passkey.py, trained about 200 steps: 18 CPU s, not 33, with
-# pytest's start).
+# (the passkey model of test_eval_passkey.py, trained about 200 steps: 16 CPU s in the suite, not
+# 26).
 FULL_CODEGEN = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
                 **({"xla_cpu_use_fusion_emitters": True} if "fusion_emitters" in QUICK_CODEGEN
                    else {})}
