@@ -23,19 +23,20 @@ from parallel.host_devices import patient_collectives  # noqa: E402  (imports no
 # Every process also waits 20 + 600 s, not XLA's 20 + 40, for the simulated devices at a
 # collective (parallel/host_devices.PATIENT_COLLECTIVES): three workers and their processes on
 # two cores once kept one waiting over a minute, and XLA aborted the worker.
-QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-# jaxlib 0.10's XLA still has its older LLVM IR emitters for CPU fusions beside the MLIR fusion
-# emitters, and they compile about 30% faster (the mixed stack's 7 layout tests: 17.6 against
-# 24.7 s of XLA compile); 0.11 removed the choice, and an unknown flag aborts XLA.
+# Each option: (the tests' value, XLA's own). jaxlib 0.10's XLA still has older LLVM IR emitters
+# for CPU fusions beside the MLIR fusion emitters, and they compile faster (make test's user
+# time: 12 min 16 s with them, 17 min 44 s without); 0.11 removed the choice, and XLA aborts on a
+# flag it does not know.
+CODEGEN_OPTIONS = {"xla_backend_optimization_level": (0, 3),
+                   "xla_llvm_disable_expensive_passes": (True, False)}
 if tuple(int(n) for n in version("jaxlib").split(".")[:2]) < (0, 11):
-    QUICK_CODEGEN += " --xla_cpu_use_fusion_emitters=false"
-# XLA's own values of those options, for a program a test runs hundreds of times, where running
-# it costs more than compiling it: ``jitted.lower(...).compile(compiler_options=FULL_CODEGEN)``
-# (the passkey model of test_eval_passkey.py, trained about 200 steps: 16 CPU s in the suite, not
-# 26).
-FULL_CODEGEN = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
-                **({"xla_cpu_use_fusion_emitters": True} if "fusion_emitters" in QUICK_CODEGEN
-                   else {})}
+    CODEGEN_OPTIONS["xla_cpu_use_fusion_emitters"] = (False, True)
+QUICK_CODEGEN = " ".join(f"--{name}={str(quick).lower()}"
+                         for name, (quick, _) in CODEGEN_OPTIONS.items())
+# XLA's own values, for a program a test runs hundreds of times, where running it costs more
+# than compiling it: ``jitted.lower(...).compile(compiler_options=FULL_CODEGEN)`` (the passkey
+# model of test_eval_passkey.py, trained about 200 steps: 16 CPU s in the suite, not 26).
+FULL_CODEGEN = {name: own for name, (_, own) in CODEGEN_OPTIONS.items()}
 DEFAULT_CODEGEN = os.environ.get("STRIPEDJAX_DEFAULT_CODEGEN") == "1"
 USER_XLA_FLAGS = patient_collectives("" if DEFAULT_CODEGEN else QUICK_CODEGEN)
 os.environ["XLA_FLAGS"] = (
