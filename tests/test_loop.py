@@ -23,24 +23,25 @@ class VirtualClock:
         return self.now
 
 
-class BlockingDispatch(Trainer):
+def blocking_dispatch(clock: VirtualClock) -> type[Trainer]:
     """A trainer whose step dispatch returns only once the step is done, PAUSE_S later on the
     clock: what an H200 does with a 1B model's step (its kernels fill the launch queue, so the
     dispatch returns near the end of the step)."""
 
-    clock: VirtualClock
+    class BlockingDispatch(Trainer):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            step = self.train_step
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        step = self.train_step
+            def synchronous(state, batch):
+                out = step(state, batch)
+                jax.block_until_ready(out)
+                clock.now += PAUSE_S
+                return out
 
-        def synchronous(state, batch):
-            out = step(state, batch)
-            jax.block_until_ready(out)
-            self.clock.now += PAUSE_S
-            return out
+            self.train_step = synchronous
 
-        self.train_step = synchronous
+    return BlockingDispatch
 
 
 def test_tokens_per_s_counts_each_interval_once_when_dispatch_blocks(tmp_path, monkeypatch):
@@ -50,8 +51,7 @@ def test_tokens_per_s_counts_each_interval_once_when_dispatch_blocks(tmp_path, m
     schedule's at the step (it travels in the step's metrics)."""
     clock = VirtualClock()
     monkeypatch.setattr(loop, "time", clock)
-    monkeypatch.setattr(BlockingDispatch, "clock", clock, raising=False)
-    monkeypatch.setattr(loop, "Trainer", BlockingDispatch)
+    monkeypatch.setattr(loop, "Trainer", blocking_dispatch(clock))
     # the reference run's schedule, so its compiled step is reused (a schedule is in the program)
     config = tr.config(**{"train.log_every": 8, "train.eval_batches": 0, "checkpoint.every": 0})
     loop.run(config, tmp_path)
