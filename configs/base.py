@@ -185,7 +185,8 @@ def get_config() -> ml_collections.ConfigDict:
     # the loss of each packed chosen/rejected pair against the starting model's log-probs.
     c.dpo = p = ml_collections.ConfigDict()
     p.beta = 0.1  # the implicit reward's scale: how far the policy may move from the reference
-    p.loss_type = "sigmoid"  # sigmoid (DPO) | ipo (IPO's squared loss) | hinge (SLiC)
+    # sigmoid (DPO) | ipo (IPO's squared loss on per-token mean log-probs, as TRL) | hinge (SLiC)
+    p.loss_type = "sigmoid"
     p.label_smoothing = 0.0  # sigmoid: the chance a preference label is wrong (cDPO); 0 = DPO
     p.rpo_alpha = 0.0  # weight of the chosen responses' cross-entropy added (RPO); 0 = none
 

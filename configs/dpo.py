@@ -10,9 +10,9 @@ preference records: {"prompt": [messages] or "text", "chosen": [assistant messag
 makes pairs of the real answer against another question's.
 Shows: "data: preference pairs, N records read ..., T train / H held out; R rows ...", "reference
 log-probabilities of ... pairs computed with the starting weights" (once; a resume reads them),
-then per logged step the DPO loss (ln 2 = 0.693 at the start), rewards, reward accuracy and
-margin, and the same on the held-out pairs, rising. docs/sft.md has the recipe measured on
-SmolLM2-135M-Instruct.
+then per logged step the DPO loss (ln 2 = 0.693 at the start with loss_type=sigmoid), rewards,
+reward accuracy and margin, and the same on the held-out pairs, rising. docs/sft.md has the
+recipe measured on SmolLM2-135M-Instruct.
 """
 from configs.sft import get_config as sft_config
 

@@ -1,6 +1,6 @@
 """Preference losses on packed pairs: per-sequence log-probabilities from per-token ones, DPO
 and its variants (Rafailov et al. 2023; IPO, Azar et al. 2023; RPO's SFT term, Pang et al.
-2024), as TRL's DPOTrainer defines them.
+2024), as TRL's DPOTrainer defines them (IPO included: on per-token averages).
 
 A row holds pairs packed whole: pair k of a row (k = 1, 2, ...) is the chosen sequence with
 segment id 2k - 1 and the rejected one with 2k (0: padding). A sequence's log-probability is
@@ -40,13 +40,22 @@ def pairs(values_BL, segment_ids_BL, seq_len: int):
 
 
 def losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float,
-           loss_type: str = "sigmoid", label_smoothing: float = 0.0):
-    """Per-pair loss and the implicit rewards ``beta * (policy - reference)`` of each side."""
+           loss_type: str = "sigmoid", label_smoothing: float = 0.0, tokens=None):
+    """Per-pair loss and the implicit rewards ``beta * (policy - reference)`` of each side, from
+    per-side sums of log-probabilities. ``tokens``: (chosen, rejected) counts of each side's
+    response tokens, which IPO needs."""
     logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if loss_type == "sigmoid":  # DPO; label smoothing: conservative DPO (cDPO)
         loss = (-jax.nn.log_sigmoid(beta * logits) * (1 - label_smoothing)
                 - jax.nn.log_sigmoid(-beta * logits) * label_smoothing)
     elif loss_type == "ipo":
+        # TRL's IPO: each side's log-ratio averaged over its response tokens, so the target
+        # 1/(2 beta) is per token and does not scale with the responses' lengths (the form the
+        # IPO authors confirmed to TRL); the rewards stay sums, as TRL logs them. At least one
+        # token: a padding pair's 0/0 is a NaN whose gradient the caller's mask does not stop.
+        n_chosen, n_rejected = (jnp.maximum(n, 1) for n in tokens)
+        logits = ((policy_chosen - ref_chosen) / n_chosen
+                  - (policy_rejected - ref_rejected) / n_rejected)
         loss = (logits - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         loss = jax.nn.relu(1 - beta * logits)

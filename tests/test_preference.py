@@ -71,36 +71,88 @@ def log_sigmoid(x):
                                                   ("ipo", 0.0), ("hinge", 0.0)])
 def test_losses_and_their_gradients_are_the_float64_formulas(rng, loss_type, smoothing):
     beta = float(rng.uniform(0.05, 0.5))
-    # the float64 formulas read the same fp32 inputs the losses get
+    # the float64 formulas read the same fp32 inputs the losses get: per-side sums, and each
+    # side's count of response tokens
     pc, pr, rc, rr = (rng.normal(-40, 10, 64).astype(np.float32).astype(np.float64)
                       for _ in range(4))
+    nc, nr = (rng.integers(1, 100, 64).astype(np.float64) for _ in range(2))
     z = (pc - pr) - (rc - rr)
     if loss_type == "sigmoid":
         want = -log_sigmoid(beta * z) * (1 - smoothing) - log_sigmoid(-beta * z) * smoothing
         dz = -beta * (1 - smoothing) / (1 + np.exp(beta * z)) + beta * smoothing / (1 + np.exp(-beta * z))
+        dc, dr = dz, -dz
     elif loss_type == "ipo":
+        # TRL's DPOTrainer (loss_type="ipo"): policy and reference log-probabilities of each side
+        # averaged over that side's response tokens, then (logits - 1/(2 beta))^2
+        z = (pc / nc - pr / nr) - (rc / nc - rr / nr)
         want = (z - 1 / (2 * beta)) ** 2
-        dz = 2 * (z - 1 / (2 * beta))
+        dc, dr = 2 * (z - 1 / (2 * beta)) / nc, -2 * (z - 1 / (2 * beta)) / nr
     else:
         want = np.maximum(0, 1 - beta * z)
         dz = np.where(1 - beta * z > 0, -beta, 0.0)
+        dc, dr = dz, -dz
+    tokens = (jnp.asarray(nc, jnp.float32), jnp.asarray(nr, jnp.float32))
 
     def total(pc, pr):
         return preference.losses(pc, pr, jnp.asarray(rc, jnp.float32), jnp.asarray(rr, jnp.float32),
-                                 beta=beta, loss_type=loss_type, label_smoothing=smoothing)[0].sum()
+                                 beta=beta, loss_type=loss_type, label_smoothing=smoothing,
+                                 tokens=tokens)[0].sum()
 
     got, (gc, gr) = jax.value_and_grad(total, argnums=(0, 1))(jnp.asarray(pc, jnp.float32),
                                                              jnp.asarray(pr, jnp.float32))
     np.testing.assert_allclose(float(got), want.sum(), rtol=2e-5)
     # fp32 noise: z's rounding (its terms are near 40, a ulp 4e-6) scaled by the gradient's own
-    # slope, so a gradient near zero is held to the largest one's noise (IPO's slope is 2: a
-    # seed once gave 0.0052388 for 0.0052406)
-    atol = 1e-6 * max(1.0, np.abs(dz).max())
-    np.testing.assert_allclose(np.asarray(gc), dz, rtol=1e-4, atol=atol)
-    np.testing.assert_allclose(np.asarray(gr), -dz, rtol=1e-4, atol=atol)
-    _, chosen, rejected = preference.losses(pc, pr, rc, rr, beta=beta, loss_type=loss_type)
+    # slope, so a gradient near zero is held to the largest one's noise (IPO's summed form, slope
+    # 2, once gave 0.0052388 for 0.0052406)
+    atol = 1e-6 * max(1.0, np.abs(dc).max(), np.abs(dr).max())
+    np.testing.assert_allclose(np.asarray(gc), dc, rtol=1e-4, atol=atol)
+    np.testing.assert_allclose(np.asarray(gr), dr, rtol=1e-4, atol=atol)
+    # the rewards are sums for every loss type (IPO's too), as TRL logs them
+    _, chosen, rejected = preference.losses(pc, pr, rc, rr, beta=beta, loss_type=loss_type,
+                                            tokens=tokens)
     np.testing.assert_allclose(np.asarray(chosen), beta * (pc - rc), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(rejected), beta * (pr - rr), rtol=1e-6)
+    if loss_type == "ipo":
+        ipo_on_packed_rows(rng)
+
+
+def ipo_on_packed_rows(rng):
+    """The DPO objective on packed rows gives IPO each side's count of ``loss_mask`` tokens
+    (not its length: a side's prompt is in its segment), and a padding pair stays out."""
+    import ml_collections
+    from training.objective import Preference
+    L, beta = 32, 0.1
+    seg = np.zeros((2, L), np.int32)
+    seg[0, :9], seg[0, 9:14], seg[0, 14:25], seg[0, 25:30] = 1, 2, 3, 4
+    seg[1, :12], seg[1, 12:30] = 1, 2
+    mask = np.zeros((2, L), np.float32)
+    for r, spans in ((0, [(3, 9), (11, 14), (17, 25), (26, 30)]), (1, [(5, 12), (16, 30)])):
+        for a, b in spans:  # each side's response; the tokens before it are its prompt
+            mask[r, a:b] = 1
+    nll = rng.uniform(0.1, 5, (2, L)).astype(np.float32) * mask
+    ref = np.zeros((2, L), np.float32)  # a side's reference sum at its first token
+    sides = [(r, s) for r in range(2) for s in range(1, seg[r].max() + 1)]
+    ref_sum = {side: float(rng.normal(-30, 5)) for side in sides}
+    for (r, s), v in ref_sum.items():
+        ref[r, np.argmax(seg[r] == s)] = v
+    c = ml_collections.ConfigDict({"data": {"seq_len": L}, "dpo": {
+        "beta": beta, "loss_type": "ipo", "label_smoothing": 0.0, "rpo_alpha": 0.0}})
+    objective = Preference(c)
+    batch = {"segment_ids": jnp.asarray(seg), "loss_mask": jnp.asarray(mask),
+             "ref_logps": jnp.asarray(ref)}
+    counts = objective.counts(batch)
+    loss, _ = objective.contribution(jnp.asarray(nll), batch, counts)
+
+    def mean_logp(r, s):  # (policy, reference) per response token, float64
+        n = mask[r][seg[r] == s].sum()
+        return -nll[r][seg[r] == s].astype(np.float64).sum() / n, ref_sum[(r, s)] / n
+
+    want = []
+    for r, s in sides[::2]:
+        (pc, rc), (pr, rr) = mean_logp(r, s), mean_logp(r, s + 1)
+        want.append(((pc - pr) - (rc - rr) - 1 / (2 * beta)) ** 2)
+    assert float(counts["pairs"]) == 3
+    np.testing.assert_allclose(float(loss), np.mean(want), rtol=1e-5)
 
 
 def test_sides_are_read_by_segment_in_any_order(rng):

@@ -62,13 +62,13 @@ class Preference:
 
     def contribution(self, token_losses_BL, batch, counts):
         p = self.p
-        present, _ = self._sides(batch["loss_mask"], batch)
-        present = present > 0
+        tokens = self._sides(batch["loss_mask"], batch)  # each side's response tokens (IPO's mean)
+        present = tokens[0] > 0
         nll_c, nll_r = self._sides(token_losses_BL, batch)  # token_losses are -log p
         ref_c, ref_r = self._sides(batch["ref_logps"], batch)
         loss, reward_c, reward_r = preference.losses(
             -nll_c, -nll_r, ref_c, ref_r, beta=float(p.beta), loss_type=p.loss_type,
-            label_smoothing=float(p.label_smoothing))
+            label_smoothing=float(p.label_smoothing), tokens=tokens)
         total = jnp.where(present, loss, 0.0).sum() / counts["pairs"]
         if p.rpo_alpha:
             total = total + float(p.rpo_alpha) * jnp.where(present, nll_c, 0.0).sum() / counts["chosen_tokens"]
