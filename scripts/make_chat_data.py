@@ -13,10 +13,12 @@ is this command's output under Python 3.11 (``--count 400``).
 ``long``: a long-context task: several modules' source joined (about ``--tokens`` tokens of the
 given tokenizer, so a conversation fills a row of that length), then a question whose answer is
 in one of them: what does the function NAME of FILE do, by its docstring? The answer is the
-docstring's first line. Every name asked about appears once in its conversation.
+docstring's first line. Every name asked about appears once in its conversation. A ``--tokens``
+that no file fits (a file's tokens + 200) stops with one line naming the smallest that can.
 
 ``pairs``: preference pairs from a ``qa`` or ``long`` file (the DPO format: ``prompt``,
-``chosen``, ``rejected``): the real answer against another function's answer.
+``chosen``, ``rejected``): the real answer against another function's answer (a file needs two
+different answers).
 
 Records are the ``messages`` format (role/content); the same seed gives the same file.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import json
 import os
 import pathlib
@@ -115,25 +118,75 @@ def qa(count: int, seed: int) -> list[dict]:
     return out
 
 
+class Unfillable(ValueError):
+    """A request this script cannot fill: main prints it as one line and exits 2."""
+
+
+def defined(text: str) -> dict[str, int]:
+    """How many ``def NAME``/``class NAME`` lines a source has for each name."""
+    names: dict[str, int] = {}
+    for line in text.splitlines():
+        s = line.strip()
+        for kw in ("def ", "class "):
+            if s.startswith(kw):
+                name = s[len(kw):].split("(")[0].split(":")[0]
+                names[name] = names.get(name, 0) + 1
+    return names
+
+
+def askable(found, names: dict[str, int]) -> bool:
+    """Whether one of a file's documented names is defined only once in it."""
+    return any(names.get(name) == 1 for name, _, _ in found)
+
+
 def long_task(count: int, seed: int, tokenizer_path: str, tokens: int) -> list[dict]:
-    """Conversations of about ``tokens`` tokens: sources joined, one question about them."""
+    """Conversations of about ``tokens`` tokens: sources joined, one question about them.
+
+    Raises ``Unfillable`` when no file fits ``tokens`` (naming the smallest ``tokens`` with one
+    that does), or when 1,000 draws in a row find nothing to ask."""
     from tokenizers import Tokenizer
+    if tokenizer_path and not os.path.isfile(tokenizer_path):
+        raise Unfillable(f"long: --tokenizer {tokenizer_path}: no such file")
     rng = random.Random(seed)
     tok = Tokenizer.from_file(tokenizer_path) if tokenizer_path else None
-    size = (lambda s: len(tok.encode(s, add_special_tokens=False).ids)) if tok else (
+    count_tokens = (lambda s: len(tok.encode(s, add_special_tokens=False).ids)) if tok else (
         lambda s: len(s) // 3)
+    sizes: dict[str, int] = {}  # by path: each file is sized once, not once a conversation
+
+    def size(path: str, text: str) -> int:
+        if path not in sizes:
+            sizes[path] = count_tokens(text)
+        return sizes[path]
+
+    sources = [(mod, path, pathlib.Path(path).read_text(encoding="utf-8", errors="replace"))
+               for mod, path in modules()]
     files = []
-    for mod, path in modules():
-        text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
-        found = documented(path)
-        if found and 400 < len(text) < 12 * tokens:
-            files.append((mod, path, text, found))
-    out = []
+    for mod, path, text in sources:
+        if 400 < len(text) < 12 * tokens:
+            found = documented(path)
+            if found:
+                files.append((mod, path, text, found))
     budget = tokens - 200  # the question, the answer and the template's own tokens
+    names_of = {path: defined(text) for _, path, text, _ in files}
+    # Without a file that fits and has a name to ask about on its own, no draw ends.
+    if not any(askable(found, names_of[path]) and size(path, text) <= budget
+               for _, path, text, found in sorted(files, key=lambda f: len(f[2]))):
+        least = smallest_tokens(sources, size)
+        raise Unfillable(f"long: --tokens {tokens} fits no standard-library file with a question"
+                         f" (a file's tokens + 200 for the question and the template): " + (
+                             f"--tokens {least} is the smallest that can" if least else
+                             "this Python's library has no such file at any --tokens"))
+    out = []
+    misses = 0
     while len(out) < count:
+        if misses == 1000:
+            raise Unfillable(f"long: made {len(out)} of {count} conversations: 1,000 draws in a"
+                             f" row found no name to ask about within --tokens {tokens}: give a"
+                             f" larger --tokens")
+        misses += 1
         picked, used = [], 0
         for mod, path, text, found in rng.sample(files, len(files)):
-            n = size(text)
+            n = size(path, text)
             if used + n > budget:
                 continue
             picked.append((mod, path, text, found))
@@ -143,17 +196,14 @@ def long_task(count: int, seed: int, tokenizer_path: str, tokens: int) -> list[d
         if not picked:
             continue
         names = {}
-        for mod, _, text, _ in picked:
-            for line in text.splitlines():
-                s = line.strip()
-                for kw in ("def ", "class "):
-                    if s.startswith(kw):
-                        name = s[len(kw):].split("(")[0].split(":")[0]
-                        names[name] = names.get(name, 0) + 1
+        for _, path, _, _ in picked:
+            for name, k in names_of[path].items():
+                names[name] = names.get(name, 0) + k
         candidates = [(mod, name, sig, doc) for mod, _, _, found in picked
                       for name, sig, doc in found if names.get(name) == 1]
         if not candidates:
             continue
+        misses = 0
         mod, name, sig, doc = rng.choice(candidates)
         body = "\n\n".join(f"# ---- file: {m.replace('.', '/')}.py ----\n{t}" for m, _, t, _ in picked)
         ask = (f"{body}\n\nIn the code above, what does `{name}` in the file "
@@ -163,15 +213,62 @@ def long_task(count: int, seed: int, tokenizer_path: str, tokens: int) -> list[d
     return out
 
 
+def smallest_tokens(sources, size) -> int | None:
+    """The smallest ``--tokens`` with a file that ``long`` can ask about alone: over 400
+    characters, under 12 characters a token, and its tokens + 200 within it. Files are read
+    shortest first, until no longer one can do better."""
+    best = None
+    for _, path, text in sorted(sources, key=lambda f: len(f[2])):
+        least = len(text) // 12 + 1
+        if best is not None and least >= best:
+            break
+        if len(text) <= 400:
+            continue
+        found = documented(path)
+        if found and askable(found, defined(text)):
+            need = max(size(path, text) + 200, least)
+            best = need if best is None else min(best, need)
+    return best
+
+
 def pairs(source: str, count: int, seed: int) -> list[dict]:
-    """The real answer (chosen) against another conversation's answer (rejected)."""
+    """The real answer (chosen) against another conversation's answer (rejected), drawn evenly
+    from those whose answer differs. Raises ``Unfillable`` for a file without two answers."""
     rng = random.Random(seed)
-    convs = [json.loads(line)["messages"] for line in open(source) if line.strip()]
-    answers = [next(m["content"] for m in c if m["role"] == "assistant") for c in convs]
+    try:
+        lines = pathlib.Path(source).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise Unfillable(f"pairs: --from {source}: {e.strerror or e}") from None
+    convs, answers = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            answers.append(next(m["content"] for m in messages if m["role"] == "assistant"))
+        except (ValueError, KeyError, TypeError, StopIteration):
+            raise Unfillable(f"pairs: --from {source} line {n} is not a conversation with an "
+                             f"assistant's answer (a qa or long file: messages of role/content)"
+                             ) from None
+        convs.append(messages)
+    # Each answer's conversations, ascending. The r-th conversation whose answer differs from
+    # answer a is r + (how many of a's come before it): a bisection in a's list shifted by its
+    # own positions: O(n + count log n) in all, where a list of the others for each
+    # conversation was O(n * count). The draw is choice's own (randrange(m)): the same file.
+    where: dict[str, list[int]] = {}
+    for k, a in enumerate(answers):
+        where.setdefault(a, []).append(k)
+    if len(where) < 2:
+        raise Unfillable(f"pairs: --from {source} has {len(convs)} conversation(s) and "
+                         f"{len(where)} distinct answer(s): a pair rejects another answer, so it "
+                         f"needs at least 2 different answers")
+    shifted = {a: [k - t for t, k in enumerate(ks)] for a, ks in where.items()}
     out = []
     for i, c in enumerate(convs[:count]):
         first = next(k for k, m in enumerate(c) if m["role"] == "assistant")
-        j = rng.choice([k for k in range(len(answers)) if answers[k] != answers[i]])
+        same = shifted[answers[i]]
+        r = rng.randrange(len(answers) - len(same))
+        j = r + bisect.bisect_right(same, r)
         out.append({"prompt": c[:first],
                     "chosen": [{"role": "assistant", "content": answers[i]}],
                     "rejected": [{"role": "assistant", "content": answers[j]}]})
@@ -180,15 +277,19 @@ def pairs(source: str, count: int, seed: int) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.kind == "qa":
-        records = qa(args.count, args.seed)
-    elif args.kind == "long":
-        records = long_task(args.count, args.seed, args.tokenizer, args.tokens)
-    else:
-        if not args.source:
-            print("error: pairs needs --from FILE (a qa or long file)", file=sys.stderr)
-            return 2
-        records = pairs(args.source, args.count, args.seed)
+    try:
+        if args.kind == "qa":
+            records = qa(args.count, args.seed)
+        elif args.kind == "long":
+            records = long_task(args.count, args.seed, args.tokenizer, args.tokens)
+        else:
+            if not args.source:
+                print("error: pairs needs --from FILE (a qa or long file)", file=sys.stderr)
+                return 2
+            records = pairs(args.source, args.count, args.seed)
+    except Unfillable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
