@@ -31,10 +31,11 @@ class Run:
 
     @functools.cached_property
     def eos(self) -> int:
-        """Where generation ends: an imported model's own end-of-text (its
-        tokenizer_config.json's ``eos_token``, as transformers reads it: an instruct model's
-        end of turn), found beside the run's tokenizer, in its import's side files or in the
-        runs it started from; else the tokenizer's end-of-text token (data.tokenizer.eos_id)."""
+        """The tokenizer's end-of-text: an imported model's own (its tokenizer_config.json's
+        ``eos_token``, as transformers reads it, HFLM's ``eot_token_id``), found beside the
+        run's tokenizer, in its import's side files or in the runs it started from; else the
+        tokenizer's end-of-text token (data.tokenizer.eos_id). Generation ends at any of
+        ``stop_ids``, this one among them."""
         from data.chat_template import candidate_dirs
         from data.tokenizer import eos_id
         eos = None
@@ -48,6 +49,17 @@ class Run:
         own = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
         return eos_id(self.tokenizer) if own is None else own
 
+    @functools.cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id where generation ends: ``eos`` and the ids an imported model's generation
+        config lists (``generation_eos``: Gemma 3's ``<end_of_turn>`` beside its ``<eos>``,
+        Llama 3's end of text, of message and of turn), from the same places as ``eos``. What
+        transformers' ``generate`` stops at, with the tokenizer's end-of-text that lm_eval's
+        HFLM adds as a stop string."""
+        from data.chat_template import candidate_dirs
+        listed = generation_eos(candidate_dirs(str(self.directory / "tokenizer.json")))
+        return tuple(dict.fromkeys([self.eos, *listed]))
+
     def chat_template(self):
         """The run's chat template (data/chat_template.py): the one it trained with, or the one
         its tokenizer came with; DataError in one line when it has none."""
@@ -60,6 +72,45 @@ class Run:
         if got is None:
             raise CheckpointError(f"{self.checkpoints.directory} holds no checkpoint yet")
         return got
+
+
+def _json(path: pathlib.Path):
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def _ids(value) -> list[int]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def generation_eos(dirs) -> list[int]:
+    """The end ids transformers' ``generate`` stops at for an HF model directory: the first of
+    ``dirs`` holding a generation_config.json or a model's config.json (one with a
+    ``model_type``: an import's hf/ side files), read as ``from_pretrained`` and ``generate``
+    read them (transformers 5.23: GenerationMixin.adjust_generation_fn loads
+    generation_config.json, else GenerationConfig.from_model_config of config.json;
+    _prepare_special_tokens makes one id a list of one). generation_config.json's
+    ``eos_token_id``, an int or a list (none when it has no such key); without that file,
+    config.json's top-level ``eos_token_id``, else that of its first ``decoder``, ``generator``
+    or ``text_config``. [] when no directory has either file."""
+    for d in map(pathlib.Path, dirs):
+        gen = _json(d / "generation_config.json")
+        if gen is not None:
+            return _ids(gen.get("eos_token_id"))
+        cfg = _json(d / "config.json")
+        if cfg is None or "model_type" not in cfg:  # a run's own config.json is not HF's
+            continue
+        ids = cfg.get("eos_token_id")
+        if ids is None:
+            sub = next((cfg[k] for k in ("decoder", "generator", "text_config") if cfg.get(k)),
+                       None)
+            ids = sub.get("eos_token_id") if isinstance(sub, dict) else None
+        return _ids(ids)
+    return []
 
 
 def _log(msg: str):

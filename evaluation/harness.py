@@ -18,7 +18,9 @@ attention is context parallel over every device. Log-likelihoods come from one f
 per batch of rows (evaluation/scoring.py), generations from the KV cache
 (evaluation/kv_cache.py), greedy unless a task asks to sample. Requests are scored exactly as
 lm_eval's ``HFLM`` scores them: the same truncation to ``max_length + 1`` tokens, the same
-rolling windows, the same stop strings (the end-of-text token's among them). A chat template
+rolling windows, the same stop strings (the end-of-text token's among them), the same end
+ids (those transformers' generate stops at: an imported model's generation_config.json
+eos_token_id, checkpoints/rundir.py ``Run.stop_ids``). A chat template
 is applied only where the run's tokenizer has one (an imported model's tokenizer_config.json).
 """
 from __future__ import annotations
@@ -255,8 +257,9 @@ class StripedJaxLM(TemplateLM):
             return any(u in tail for u in stops)
 
         self._calls += 1  # each batch its own keys: repeated requests sample anew
+        # ends at any id HF's generate stops at (the generation config's), as HFLM's rows do
         got = self.generator.generate(self.params, rows, gen.max_new, length=length,
-                                      eos=self.eot_token_id, sampling=gen.sampling,
+                                      eos=self.run.stop_ids, sampling=gen.sampling,
                                       seed=self.seed * 100_003 + self._calls,
                                       stop=stop if stops else None, real=len(prompts))
         texts = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,16 @@ class Sampling:
         if self.greedy:
             return "greedy"
         return f"temperature {self.temperature}, top-k {self.top_k or 'all'}"
+
+
+def stop_set(eos: int | Iterable[int] | None) -> frozenset[int]:
+    """The token ids that end a row: ``eos`` as one id, a collection of them (an instruct
+    model's ends of turn and of text: checkpoints/rundir.py ``Run.stop_ids``), or None."""
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, (int, np.integer)):
+        return frozenset({int(eos)})
+    return frozenset(int(i) for i in eos)
 
 
 def pick(logits_BV, key, sampling: Sampling, usable_vocab: int):
@@ -247,10 +257,11 @@ class Generator:
 
     # -- host side -------------------------------------------------------------------------
     def generate(self, params, prompts: list[list[int]], max_new_tokens: int, *, length: int,
-                 eos: int | None, sampling: Sampling = Sampling(), seed: int = 0,
-                 stop=None, real: int | None = None) -> list[list[int]]:
+                 eos: int | Iterable[int] | None, sampling: Sampling = Sampling(),
+                 seed: int = 0, stop=None, real: int | None = None) -> list[list[int]]:
         """Up to ``max_new_tokens`` new tokens per prompt (a row of the batch each; the batch
-        a multiple of the data x fsdp axes), ending at ``eos`` (not included) or where
+        a multiple of the data x fsdp axes), ending at any id of ``eos`` (one id, a collection
+        of ids or None: ``stop_set``; not included) or where
         ``stop(row, tokens)`` says. ``length``: the padded prompt length, one the layout
         accepts (evaluation.lengths.Buckets) and at least the longest prompt. ``real``: the
         rows that count (the others fill the batch): generation ends when they are done."""
@@ -259,6 +270,7 @@ class Generator:
         from parallel.layouts import inverse, permutation
         a, S = self.config.attention, self.shards
         B, L = len(prompts), int(length)
+        ends = stop_set(eos)
         n_B = np.array([len(p) for p in prompts])
         if n_B.min() < 1 or n_B.max() > L:
             raise ValueError(f"prompts of {n_B.min()}-{n_B.max()} tokens do not fit rows of {L}")
@@ -286,7 +298,7 @@ class Generator:
             for i, tok in enumerate(np.asarray(token_B).tolist()):
                 if done[i]:
                     continue
-                if tok == eos:
+                if tok in ends:
                     done[i] = True
                     continue
                 out[i].append(tok)

@@ -11,13 +11,14 @@ prompt (a dynamic RoPE scaling reads it); causal masking by slot keeps them unse
 from __future__ import annotations
 
 import functools
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from evaluation.kv_cache import Sampling, pick
+from evaluation.kv_cache import Sampling, pick, stop_set
 
 
 def window_size(prompt_len: int, max_new_tokens: int, seq_len: int) -> int:
@@ -47,9 +48,12 @@ def make_step(graphdef, window: int, usable_vocab: int, sampling: Sampling):
 
 
 def generate(graphdef, params, ids: list[int], max_new_tokens: int, *, seq_len: int,
-             usable_vocab: int, eos: int, sampling: Sampling = Sampling(),
+             usable_vocab: int, eos: int | Iterable[int] | None,
+             sampling: Sampling = Sampling(),
              seed: int = 0) -> list[int]:
-    """Up to ``max_new_tokens`` tokens after ``ids`` (non-empty), ending at ``eos``."""
+    """Up to ``max_new_tokens`` tokens after ``ids`` (non-empty), ending at any id of ``eos``
+    (one id, a collection of ids or None: kv_cache.stop_set; not included)."""
+    ends = stop_set(eos)
     window = window_size(len(ids), max_new_tokens, seq_len)
     ids = ids[-window:]
     buf = np.zeros(window, np.int32)
@@ -61,7 +65,7 @@ def generate(graphdef, params, ids: list[int], max_new_tokens: int, *, seq_len: 
         key, sub = jax.random.split(key)
         buf, n, token = step(params, buf, n, sub)
         token = int(token)
-        if token == eos:
+        if token in ends:
             break
         out.append(token)
     return out

@@ -7,7 +7,14 @@
 
 --chat: the prompt is a user's message: the run's chat template (the one it trained with, or
 its tokenizer's; data/chat_template.py) renders it with the generation prompt, and the reply
-alone is printed, ending at the model's end of turn (its tokenizer_config.json's eos_token).
+alone is printed.
+
+Generation ends where transformers' generate would: at any id of an imported model's
+generation_config.json eos_token_id (an int or a list: Gemma 3's <end_of_turn> beside <eos>,
+Llama 3.1's <|eot_id|>, <|eom_id|> and <|end_of_text|>; without that file, its config.json's),
+or at its tokenizer_config.json's eos_token, read from the import's side files (hf/) of the run
+or of the runs it started from (checkpoints/rundir.py Run.stop_ids); a run with none of them
+ends at its tokenizer's end-of-text. The end token is not printed.
 
 Greedy (the likeliest token every time) unless --temperature is given, which samples at that
 temperature among the --top-k likeliest tokens (--greedy is still accepted and wins).
@@ -83,7 +90,7 @@ def generate(run, trainer, params, ids: list[int], args) -> list[int]:
     rows = batch_shards(mesh)  # one prompt in every row
     length = Buckets(config, mesh, seq_len)(len(ids))
     return gen.generate(params, [ids] * rows, args.max_new_tokens, length=length,
-                        eos=run.eos, sampling=sampling(args), seed=args.seed, real=1)[0]
+                        eos=run.stop_ids, sampling=sampling(args), seed=args.seed, real=1)[0]
 
 
 def sampling(args):
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
             tokens = recompute.generate(
                 graphdef, got.params, ids, args.max_new_tokens,
                 seq_len=int(run.config.data.seq_len), usable_vocab=run.tokenizer.get_vocab_size(),
-                eos=run.eos, sampling=sampling(args), seed=args.seed)
+                eos=run.stop_ids, sampling=sampling(args), seed=args.seed)
         else:
             from evaluation.setup import eval_setup
             from training.state import Trainer

@@ -349,6 +349,51 @@ def test_generation_settings_are_read_as_hflm_reads_them():
     assert GenSettings.of({"max_gen_toks": 7, "max_tokens": 3}, "", 9).max_new == 7
 
 
+def test_generation_ends_at_every_end_id_of_the_imports_generation_config(tmp_path):
+    """A Gemma 3 import (tokenizer_config.json's eos_token <eos>, generation_config.json's
+    eos_token_id [<eos>, <end_of_turn>]): generate_until's reply ends at <end_of_turn>, as
+    transformers' generate under HFLM ends it, not in an invented next turn. The model is a
+    script of tokens run through the generator's end rules (kv_cache.stop_set)."""
+    import chat_templates as ct
+    from checkpoints.rundir import Run
+    from evaluation.kv_cache import stop_set
+    run_dir = tmp_path / "gemma"
+    tok = ct.write_tokenizer_dir("gemma3", run_dir / "hf")
+    (run_dir / "tokenizer.json").write_text(tok.to_str())
+    (run_dir / "config.json").write_text(json.dumps({"checkpoint": {"restore_from": ""}}))
+    (run_dir / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4]}))
+    eot = tok.token_to_id("<end_of_turn>")
+    said = (tok.encode("Paris", add_special_tokens=False).ids + [eot]
+            + tok.encode("\n", add_special_tokens=False).ids + [tok.token_to_id("<start_of_turn>")]
+            + tok.encode("user\nAnd Italy?", add_special_tokens=False).ids)
+
+    class Scripted:  # Generator.generate's host loop over tokens the "model" says
+        def generate(self, params, rows, max_new, *, length, eos, sampling, seed, stop, real):
+            self.eos, out = eos, []
+            for row in range(len(rows)):
+                got = []
+                for t in said[:max_new]:
+                    if t in stop_set(eos):
+                        break
+                    got.append(t)
+                    if stop is not None and stop(row, got):
+                        break
+                out.append(got)
+            return out
+
+    lm = StripedJaxLM.__new__(StripedJaxLM)
+    TemplateLM.__init__(lm)
+    lm.run, lm.tok, lm.generator = Run(run_dir, None, tok, "", None), tok, Scripted()
+    lm.params = None
+    lm.log, lm.truncate, lm.truncated, lm.seed, lm._calls = (lambda m: None), False, 0, 0, 0
+    lm._max_length, lm._max_gen_toks, lm.rows_per_pass, lm.batch_shards = 64, 32, 2, 1
+    lm.buckets = lambda n: 64
+    assert lm.eot_token_id == tok.token_to_id("<eos>")  # HFLM's: the tokenizer's eos_token
+    got = lm.generate_until([Instance("generate_until", {}, ("The capital of France?", {
+        "until": ["\n\n"], "max_gen_toks": 32}), 0)], disable_tqdm=True)
+    assert got == ["Paris"] and set(lm.generator.eos) == {1, eot}
+
+
 def test_the_generation_benchmark_against_transformers_on_the_trained_run(run_dir, tmp_path,
                                                                           capsys):
     """scripts/bench_generate.py --run --against transformers at tiny sizes, its main() in this

@@ -48,11 +48,11 @@ def on_mesh(c, params):
     return trainer, jax.device_put(params, trainer.param_shardings)
 
 
-def reference(c, params, prompt, new):
+def reference(c, params, prompt, new, eos=-1):
     graphdef, _ = single_device_model(c)
     one = jax.device_put(params, jax.devices()[0])
     return recompute.generate(graphdef, one, prompt, new, seq_len=c.data.seq_len,
-                              usable_vocab=VOCAB, eos=-1)
+                              usable_vocab=VOCAB, eos=eos)
 
 
 def reference_logits(c, params, prompts, tokens):
@@ -123,7 +123,8 @@ def test_cached_greedy_tokens_equal_recomputing_the_window(dtype, cases, rng):
 
 def test_sliding_window_and_eos_and_a_stop_rule(rng):
     """The contiguous ring (the prefill stops after the rounds W reaches) and a windowed decode
-    give recomputing's greedy tokens; eos and a stop rule end rows."""
+    give recomputing's greedy tokens; eos (one id or several: an instruct model's ends of
+    turn and of text) and a stop rule end rows."""
     c = config("contiguous", "ring", window=12)
     params = random_params(c, int(rng.integers(1 << 30)))
     prompts = [rng.integers(1, VOCAB, int(n)).tolist() for n in (40, 23)]
@@ -136,6 +137,10 @@ def test_sliding_window_and_eos_and_a_stop_rule(rng):
     eos = want[0][5]
     cut = [w[:w.index(eos)] if eos in w else w for w in want]
     assert gen.generate(sharded, prompts, 20, length=64, eos=eos) == cut
+    ends = [want[0][8], want[1][4]]  # several ids: a row ends at the first of any of them
+    cut = [w[:next((i for i, t in enumerate(w) if t in ends), len(w))] for w in want]
+    assert gen.generate(sharded, prompts, 20, length=64, eos=ends) == cut
+    assert reference(c, params, prompts[1], 20, eos=set(ends)) == cut[1]
     stopped = gen.generate(sharded, prompts, 20, length=64, eos=-1,
                            stop=lambda row, toks: row == 1 and len(toks) == 3)
     assert stopped == [want[0], want[1][:3]]
