@@ -28,7 +28,8 @@ def get_config(run_dir: str = ""):
     c.data.update(format="chat", source="jsonl", path=str(EXAMPLES), text_field="text",
                   train_on="assistant", too_long="drop", seq_len=4096, batch_size=8,
                   heldout_fraction=0.05, max_docs=0, min_doc_tokens=0, long_doc_tokens=0,
-                  long_doc_upsample=1, mixture="")
+                  long_doc_upsample=1, reset_positions_at_doc=True, mixture="",
+                  messages_field="")
     # Striped over a ring of 8 (simulated on a CPU): every device holds tokens of every packed
     # conversation, and the segment ids keep each conversation's attention to itself.
     c.attention.update(layout="striped", impl="ring", document_mask=True)

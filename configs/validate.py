@@ -123,7 +123,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
         check_long_context_data(d)
     except DataError as e:
         raise ConfigError(str(e)) from None
-    _check_chat_data(d)
+    _check_chat_data(d, config.attention)
     if d.get("format", "text") == "preference":
         _check_dpo(config.dpo)
 
@@ -148,7 +148,14 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     return sizes
 
 
-def _check_chat_data(d):
+# Fields that chat and preference data do not read (the text pipeline's), at their defaults; and
+# those that preference data does not read either (a pair's sides are fixed by the record).
+CHAT_UNREAD = {"min_doc_tokens": 0, "long_doc_tokens": 0, "long_doc_upsample": 1,
+               "reset_positions_at_doc": True}
+PAIR_UNREAD = {"train_on": "assistant", "messages_field": ""}
+
+
+def _check_chat_data(d, attention):
     """data.format and the chat fields (data/sft.py)."""
     from data.chat_template import TRAIN_ON
     from data.sft import FORMATS, TOO_LONG
@@ -163,6 +170,19 @@ def _check_chat_data(d):
     _need(d.too_long in TOO_LONG, f"data.too_long={d.too_long!r} is not one of {', '.join(TOO_LONG)}")
     _need(bool(d.tokenizer), f"data.format={fmt} needs the model's tokenizer and its chat "
                              f"template: set data.tokenizer (configs/sft.py:RUN_DIR sets a run's)")
+    what = "a conversation" if fmt == "chat" else "a pair's two sides"
+    _need(bool(attention.document_mask),
+          f"attention.document_mask=False with data.format={fmt}: packed "
+          f"{'conversations' if fmt == 'chat' else 'pairs'} would attend to each other (and "
+          f"{what} to its neighbours, the reference pass too); data.format={fmt} needs "
+          f"attention.document_mask=True")
+    # fields the text pipeline reads and these pipelines do not: set, they would change nothing
+    unread = dict(CHAT_UNREAD, **(PAIR_UNREAD if fmt == "preference" else {}))
+    for field, default in unread.items():
+        value = d.get(field, default)
+        _need(value == default,
+              f"data.{field}={value!r} is not read with data.format={fmt} (it would change "
+              f"nothing); leave it at {default!r}")
 
 
 def _check_dpo(p):

@@ -11,6 +11,8 @@ text, no assistant turn) is a ``BadConversation``: the pipeline counts it and na
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's speaker names and the roles they are
@@ -19,6 +21,8 @@ SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "a
             "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
             "function_response": "tool"}
 FIELDS = ("messages", "conversations")  # looked for in this order when no field is named
+# what a template is called with besides a record's chat_template_kwargs (transformers' names)
+RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class BadConversation(ValueError):
@@ -71,7 +75,7 @@ def _turns(turns, name: str) -> list[dict]:
             rest = {k: v for k, v in turn.items() if k not in ("role", "content")}
         elif "from" in turn:  # ShareGPT
             speaker = turn["from"]
-            role = SHAREGPT.get(speaker.lower() if isinstance(speaker, str) else speaker)
+            role = SHAREGPT.get(speaker.lower()) if isinstance(speaker, str) else None
             if role is None:
                 raise BadConversation(f"{where} is from {speaker!r}, not one of "
                                       f"{', '.join(SHAREGPT)}")
@@ -79,7 +83,7 @@ def _turns(turns, name: str) -> list[dict]:
             rest = {k: v for k, v in turn.items() if k not in ("from", "value")}
         else:
             raise BadConversation(f"{where} has no role (nor ShareGPT's 'from')")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise BadConversation(f"{where} has role {role!r}, not one of {', '.join(ROLES)}")
         content = _content(content, where)
         if content is None and not (role == "assistant" and rest.get("tool_calls")):
@@ -88,12 +92,36 @@ def _turns(turns, name: str) -> list[dict]:
     return out
 
 
+def _shared_prefix(chosen: list[dict], rejected: list[dict]) -> int:
+    """How many first messages chosen and rejected share, backed off so that each side starts
+    at a response (a shared assistant turn at the end belongs to the sides)."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    while n and chosen[n - 1]["role"] == "assistant":
+        n -= 1
+    return n
+
+
+def _text(content) -> str:
+    """A message's text for comparing prompts (content parts joined)."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content)
+    return content or ""
+
+
 def pair_of(record) -> tuple[list[dict], list[dict], list[dict]]:
-    """(prompt, chosen, rejected) messages of a preference record, TRL's format: ``prompt``
-    (messages, or a string: one user message) and ``chosen`` / ``rejected`` (messages, or a
-    string: one assistant message); without ``prompt``, chosen and rejected are whole
-    conversations and the prompt is what they share before they part. Each side needs an
-    assistant turn after the prompt; BadConversation else."""
+    """(prompt, chosen, rejected) messages of a preference record, TRL's formats:
+    - ``prompt`` (messages, or a string: one user message) and ``chosen`` / ``rejected``
+      (messages, or a string: one assistant message);
+    - no ``prompt``: chosen and rejected are whole conversations, the prompt the messages they
+      share before they part (TRL's ``extract_prompt``);
+    - a string ``prompt`` beside whole conversations that already hold it (UltraFeedback and most
+      DPO sets on the hub): the prompt is taken from the conversations, once, as TRL's
+      ``maybe_extract_prompt`` takes it; a prompt that is not the user turn they share is a
+      BadConversation. Conversations that start with a ``prompt`` given as messages lose that
+      repeat too: a record means one prompt, never two.
+    Each side needs an assistant turn after the prompt; BadConversation else."""
     if not isinstance(record, dict):
         raise BadConversation(f"the record is {type(record).__name__}, not an object")
     missing = [k for k in ("chosen", "rejected") if k not in record]
@@ -108,21 +136,75 @@ def pair_of(record) -> tuple[list[dict], list[dict], list[dict]]:
 
     chosen, rejected = side(record["chosen"], "chosen", "assistant"), side(
         record["rejected"], "rejected", "assistant")
-    if record.get("prompt") is not None:
-        prompt = side(record["prompt"], "prompt", "user")
-    else:  # an implicit prompt: the messages both sides share
-        n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-            n += 1
-        while n and chosen[n - 1]["role"] == "assistant":  # a response starts a side
-            n -= 1
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        if not prompt:
+    given = record.get("prompt")
+    n = _shared_prefix(chosen, rejected)
+    shared = chosen[:n]
+    if given is None:  # an implicit prompt: the messages both sides share
+        if not shared:
             raise BadConversation("no prompt, and chosen and rejected share no first message")
+        prompt = shared
+    elif isinstance(given, str) and shared:
+        # conversations that hold the prompt already: it is their shared user turn
+        asked = [_text(m["content"]) for m in shared if m["role"] == "user"]
+        if not asked or asked[-1].strip() != given.strip():
+            said = repr(asked[-1][:60]) if asked else "no user turn"
+            raise BadConversation(f"the prompt {given[:60]!r} is not the user turn chosen and "
+                                  f"rejected share ({said}): give the prompt once, either as "
+                                  f"'prompt' or inside the conversations")
+        prompt = shared
+    else:
+        prompt = side(given, "prompt", "user")
+        k = len(prompt)
+        if not isinstance(given, str) and chosen[:k] == prompt and rejected[:k] == prompt:
+            shared = prompt  # conversations that repeat the prompt given as messages
+        else:
+            shared = []
+    chosen, rejected = chosen[len(shared):], rejected[len(shared):]
     for name, msgs in (("chosen", chosen), ("rejected", rejected)):
         if not any(m["role"] == "assistant" for m in msgs):
-            raise BadConversation(f"{name} holds no assistant turn")
+            raise BadConversation(f"{name} holds no assistant turn after the prompt")
     return prompt, chosen, rejected
+
+
+def split_key(prompt: list[dict]) -> float:
+    """Where a record falls in [0, 1) for the held-out split: a hash of its prompt (the messages
+    before the first assistant turn, roles and text), so a conversation keeps its side across
+    runs, and an SFT conversation and a preference pair made from it (the same prompt) share a
+    side."""
+    first = next((k for k, m in enumerate(prompt) if m["role"] == "assistant"), len(prompt))
+    blob = json.dumps([[m["role"], _text(m.get("content"))] for m in prompt[:first]],
+                      ensure_ascii=False)
+    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:8], "big") / 2.0 ** 64
+
+
+def template_context(record) -> dict:
+    """The template variables a record brings besides its messages, as TRL hands them to
+    ``apply_chat_template``: ``tools`` (a list of JSON schemas, or a JSON string of one, as some
+    hub sets store it) and ``chat_template_kwargs`` (Qwen3's ``enable_thinking``, say); {} when
+    it brings none. BadConversation when they are not what a template can read."""
+    out = {}
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError:
+            raise BadConversation("'tools' is a string that is not JSON") from None
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise BadConversation(f"'tools' is {type(tools).__name__}, not a list of JSON "
+                                  f"schemas (objects)")
+        out["tools"] = tools
+    kwargs = record.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise BadConversation(f"'chat_template_kwargs' is {type(kwargs).__name__}, not an "
+                                  f"object of template variables")
+        clash = [k for k in kwargs if k in RESERVED]
+        if clash:
+            raise BadConversation(f"'chat_template_kwargs' sets {', '.join(clash)}, which the "
+                                  f"template gets from the record itself")
+        out.update(kwargs)
+    return out
 
 
 def messages_of(record, field: str = "") -> list[dict]:

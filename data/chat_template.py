@@ -122,89 +122,159 @@ class ChatTemplate:
         return bool(GENERATION_MARK.search(self.source))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
-               marks: list | None = None) -> str:
-        """The conversation's text; ``marks``, when given, receives the generation spans."""
+               marks: list | None = None, context: dict | None = None,
+               chunks: list | None = None) -> str:
+        """The conversation's text; ``marks``, when given, receives the generation spans;
+        ``context``: the record's own template variables (``tools``, its chat_template_kwargs:
+        data/chat.py ``template_context``), over the tokenizer's special tokens as transformers
+        lays them; ``chunks``, when given, receives the pieces the template wrote, in order."""
         import jinja2
         template, generation = _compile(self.source)
-        chunks = []
-        generation.chunks, generation.spans = (chunks, marks) if marks is not None else (None, None)
+        out = [] if chunks is None else chunks
+        generation.chunks, generation.spans = (out, marks) if marks is not None else (None, None)
+        variables = {"tools": None, **self.special_tokens, **(context or {})}
         try:
-            for chunk in template.generate(messages=with_reasoning_aliases(messages), tools=None,
+            for chunk in template.generate(messages=with_reasoning_aliases(messages),
                                            documents=None,
                                            add_generation_prompt=add_generation_prompt,
-                                           **self.special_tokens):
-                chunks.append(chunk)
+                                           **variables):
+                out.append(chunk)
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"the chat template refuses it: {e}") from None
         except Exception as e:  # a template reading a field the messages lack, say
             raise TemplateError(f"the chat template fails on it ({type(e).__name__}: {e})") from None
         finally:
             generation.chunks, generation.spans = None, None
-        return "".join(chunks)
+        return "".join(out)
 
-    def spans(self, messages: list[dict], train_on: str = "assistant"
-              ) -> tuple[str, list[tuple[int, int]]]:
+    def spans(self, messages: list[dict], train_on: str = "assistant",
+              context: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(the whole conversation's text, the character spans to train, in order)."""
         if train_on == "all":
-            text = self.render(messages)
+            text = self.render(messages, context=context)
             return text, [(0, len(text))]
         if self.marked:
             marks: list = []
-            text = self.render(messages, marks=marks)
+            text = self.render(messages, marks=marks, context=context)
             spans = [s for s in marks if s[1] > s[0]]
         else:
-            text = self.render(messages)
-            spans = [s for i, m in enumerate(messages) if m["role"] == "assistant"
-                     for s in [self._turn(messages, i, text)] if s[1] > s[0]]
+            text = self.render(messages, context=context)
+            spans = self._turns(messages, range(len(messages)), text, context)
         if train_on == "last_assistant":
             spans = spans[-1:]
         return text, spans
 
-    def response_spans(self, prompt: list[dict], response: list[dict]
-                       ) -> tuple[str, list[tuple[int, int]]]:
+    def response_spans(self, prompt: list[dict], response: list[dict],
+                       context: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(the text of ``prompt + response``, the spans of the response's assistant turns):
         a preference pair's side, whose log-probability is taken over its response only."""
         messages = prompt + response
         if self.marked:
             marks: list = []
-            text = self.render(messages, marks=marks)
+            text = self.render(messages, marks=marks, context=context)
             before = sum(m["role"] == "assistant" for m in prompt)
             if len(marks) == sum(m["role"] == "assistant" for m in messages):
                 spans = marks[before:]  # one mark per assistant turn: the response's are last
             else:  # marks that are not one per turn: those after the prompt's text
-                start = len(self.render(prompt, add_generation_prompt=True))
+                start = len(self.render(prompt, add_generation_prompt=True, context=context))
                 spans = [s for s in marks if s[0] >= start]
             return text, [s for s in spans if s[1] > s[0]]
-        text = self.render(messages)
-        return text, [s for i in range(len(prompt), len(messages))
-                      if messages[i]["role"] == "assistant"
-                      for s in [self._turn(messages, i, text)] if s[1] > s[0]]
+        text = self.render(messages, context=context)
+        return text, self._turns(messages, range(len(prompt), len(messages)), text, context)
 
-    def _turn(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
-        """Where assistant turn ``i`` lies in ``text`` (the whole conversation rendered)."""
-        prompt = self.render(messages[:i], add_generation_prompt=True)
-        upto = self.render(messages[:i + 1])
-        if not text.startswith(prompt) or not upto.startswith(prompt):
-            raise TemplateError(f"the chat template renders the conversation before assistant "
-                                f"turn {i} differently once the turn follows it, so the turn "
-                                f"cannot be found; give data.chat_template a template with "
-                                f"{{% generation %}} marks")
-        start, added = len(prompt), upto[len(prompt):]
-        if not added:  # the template writes nothing for this turn: nothing of it to train
+    def _turns(self, messages, among, text, context) -> list[tuple[int, int]]:
+        """The non-empty spans of the assistant turns whose index is in ``among``."""
+        suffix = self._suffix(messages, context)
+        return [s for i in among if messages[i]["role"] == "assistant"
+                for s in [self._turn(messages, i, text, context, suffix)] if s[1] > s[0]]
+
+    def _suffix(self, messages, context) -> str:
+        """What the template writes after the last message when no generation prompt follows
+        (Phi-3's eos_token; "" for most): the pieces of the conversation's text past those it
+        shares, piece for piece, with the same conversation rendered with the prompt."""
+        plain, prompted = [], []
+        self.render(messages, context=context, chunks=plain)
+        self.render(messages, add_generation_prompt=True, context=context, chunks=prompted)
+        k = 0
+        while k < min(len(plain), len(prompted)) and plain[k] == prompted[k]:
+            k += 1
+        return "".join(plain[k:])
+
+    def _turn(self, messages: list[dict], i: int, text: str, context: dict | None,
+              suffix: str = "") -> tuple[int, int]:
+        """Where assistant turn ``i`` lies in ``text`` (the whole conversation rendered): from
+        where the conversation before it with the generation prompt ends, through the turn's last
+        non-space character (its end-of-turn token): the separator a template writes after it
+        (SmolLM2's and Qwen3's newline after ``<|im_end|>``) is not the model's to produce, and
+        templates with generation marks leave it out too."""
+        prompt = self.render(messages[:i], add_generation_prompt=True, context=context)
+        upto = self.render(messages[:i + 1], context=context)
+        if not upto.startswith(prompt):
+            raise TemplateError(
+                f"the chat template renders the conversation before assistant turn {i} "
+                f"otherwise once the turn follows it ({_difference(prompt, upto, 'it ends there')}), "
+                f"so the turn cannot be found; give data.chat_template a template with "
+                f"{{% generation %}} marks")
+        added = upto[len(prompt):]
+        # The turn starts in the conversation where its generation prompt ends, or, when the
+        # template fills in the start of the reply for the last turn only (Qwen3's empty think
+        # block under enable_thinking=False: the model does not write it), where the two part.
+        start = len(prompt) if text.startswith(prompt) else _common_prefix(prompt, text)
+        if not added.strip():  # the template writes nothing for this turn: nothing to train
             return start, start
         content = messages[i].get("content")
-        # a tail that lost the content's end is no longer this turn (a template that rewrites
-        # the turn in context beyond a prefix): refuse rather than train a piece of it
+        # a piece that lost the content's end is no longer this turn: refuse rather than train a
+        # piece of it
         needle = content.strip()[-32:] if isinstance(content, str) else ""
-        for cut in range(len(added)):  # the longest tail of it found in place
-            if text.startswith(added[cut:], start):
-                if needle in added[cut:]:
-                    return start, start + len(added) - cut
-                break
-        raise TemplateError(f"the chat template renders assistant turn {i} differently once "
-                            f"later messages follow it, beyond a prefix, so the turn cannot be "
-                            f"found; give data.chat_template a template with {{% generation %}} "
-                            f"marks")
+        # The turn is what it adds less the suffix the template writes after the last message
+        # (Phi-3's eos_token): no turn but the last is followed by it in the conversation, and
+        # it is not the last turn's either.
+        ends = [len(added)]
+        if suffix and upto.endswith(suffix) and len(added) > len(suffix):
+            ends.insert(0, len(added) - len(suffix))
+        # the turn's place may start with whitespace that its last-message rendering drops
+        # (Qwen3 strips the last turn's leading newlines, not the others')
+        head = text[start:start + 64]
+        lead = len(head) - len(head.lstrip())
+        for end in ends:
+            piece = added[:end]
+            for at in range(start, start + lead + 1):
+                # the longest tail of it found in place (a template may write more for the last
+                # turn: Qwen3's empty <think> block); a tail without the content's end is not
+                # this turn, and a shorter one would not hold it either
+                cut = piece.find(text[at]) if at < len(text) else -1
+                while cut != -1:
+                    if text.startswith(piece[cut:], at):
+                        if needle in piece[cut:]:
+                            return start, at + len(piece[cut:].rstrip())
+                        break
+                    cut = piece.find(text[at], cut + 1)
+        raise TemplateError(f"the chat template renders assistant turn {i} otherwise once "
+                            f"later messages follow it ({_difference(added, text[start:], 'it is the last message')}), "
+                            f"so the turn cannot be found; give data.chat_template a template "
+                            f"with {{% generation %}} marks")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (a bisection of slice
+    comparisons: C speed on long conversations)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _difference(alone: str, in_context: str, when: str, width: int = 24) -> str:
+    """Where two renderings part, in words: '...A... when <when>, ...B... in the conversation,
+    after N characters'."""
+    n = _common_prefix(alone, in_context)
+    lo = max(0, n - width)
+    return (f"...{alone[lo:n + width]!r}... when {when}, ...{in_context[lo:n + width]!r}... in "
+            f"the conversation: they differ after {n} characters")
 
 
 def token_mask(offsets, spans: list[tuple[int, int]]):

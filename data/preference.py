@@ -22,6 +22,7 @@ at its first token, zero elsewhere (so any layout permutation keeps them).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 
@@ -40,13 +41,14 @@ def tokenize_pairs(records, template, tokenizer, tally: chat.Tally) -> Conversat
     """Every valid pair of ``records`` as two sequences: pair i is sequences 2i (chosen) and
     2i + 1 (rejected), each flagged on its response tokens."""
     from data.chat_template import token_mask
-    ids, trained, lengths = [], [], []
+    ids, trained, keys = [], [], []
     for where, record in records:
         tally.read += 1
         try:
             prompt, chosen, rejected = chat.pair_of(record)
-            sides = [template.response_spans(prompt, chosen),
-                     template.response_spans(prompt, rejected)]
+            context = chat.template_context(record)
+            sides = [template.response_spans(prompt, chosen, context),
+                     template.response_spans(prompt, rejected, context)]
         except (BadConversation, TemplateError) as e:
             tally.add("bad", f"{where}: {e}")
             continue
@@ -58,10 +60,8 @@ def tokenize_pairs(records, template, tokenizer, tally: chat.Tally) -> Conversat
         for enc, f in zip(encoded, flags):
             ids.append(np.asarray(enc.ids, np.int32))
             trained.append(f)
-            lengths.append(len(enc.ids))
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))  # noqa: E731
-    return Conversations(cat(ids, np.int32), cat(trained, bool), offsets)
+        keys.append(chat.split_key(prompt))
+    return Conversations.of(ids, trained, keys)
 
 
 def fit_pairs(conv: Conversations, pairs: np.ndarray, seq_len: int, policy: str,
@@ -90,9 +90,27 @@ def fit_pairs(conv: Conversations, pairs: np.ndarray, seq_len: int, policy: str,
         for t, f in sides:
             ids.append(t)
             trained.append(f)
-    offsets = np.concatenate([[0], np.cumsum([t.size for t in ids])]).astype(np.int64)
-    cut = Conversations(np.concatenate(ids).astype(np.int32), np.concatenate(trained), offsets)
+    cut = Conversations.of(ids, trained)  # empty when no pair was kept
     return cut, np.arange(len(keep), dtype=np.int64), np.asarray(keep, np.int64)
+
+
+def weights_fingerprint(params, mesh, per_leaf: int = 4096) -> str:
+    """A hash of the weights: up to ``per_leaf`` evenly strided values of every parameter (any
+    training step moves them all), gathered onto every process, and the shapes. The same for
+    the same weights on any mesh."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    leaves = jax.tree.leaves(params)
+
+    def sample(leaves):
+        return [x.reshape(-1)[::max(1, x.size // per_leaf)][:per_leaf] for x in leaves]
+
+    got = jax.jit(sample, out_shardings=NamedSharding(mesh, PartitionSpec()))(leaves)
+    h = hashlib.sha256()
+    for x, s in zip(leaves, jax.device_get(got)):
+        h.update(f"{x.shape}{x.dtype}".encode())
+        h.update(np.ascontiguousarray(s).tobytes())
+    return h.hexdigest()[:32]
 
 
 class PairRows(ChatRows):
@@ -100,8 +118,8 @@ class PairRows(ChatRows):
     log-probabilities at each side's first token once they are known (``ref``: one per
     sequence)."""
 
-    def __init__(self, conv, rows, seq_len, pad_id, seed):
-        super().__init__(conv, rows, seq_len, pad_id, seed)
+    def __init__(self, conv, rows, seq_len, pad_id, seed, wrap=True):
+        super().__init__(conv, rows, seq_len, pad_id, seed, wrap)
         self.ref: np.ndarray | None = None
 
     @staticmethod
@@ -128,7 +146,7 @@ class PreferencePipeline(ChatPipeline):
     """``data.format=preference``: batches over rows of packed pairs, each batch with
     the reference's log-probabilities (after ``prepare``)."""
     WORDS = {"kind": "preference pairs", "unit": "pair", "what": "preference pair",
-             "bad": "not preference pairs",
+             "cut": "half a row each side", "bad": "not preference pairs",
              "truncated": "cut to half a row each side", "trained": "response tokens"}
 
     SIDES = 2
@@ -164,11 +182,18 @@ class PreferencePipeline(ChatPipeline):
         start) computed with ``params``, the starting weights, over every row, and saved."""
         import jax
         path = workdir / REFERENCE_FILE
-        identity = json.dumps({"plan": self.plan_digest, "tokenizer": self.fingerprint,
-                               "template": self.template.digest, "seq_len": self.seq_len})
+        # What the reference is of: the rows' very tokens (which side is chosen included), and,
+        # at a run's start, the starting weights. A resume reads the file its start wrote: its
+        # params are the checkpoint's, not the starting weights, so only the data is compared.
+        data = self.rows_digest()
+        weights = weights_fingerprint(params, trainer.mesh) if start == 0 else None
         if path.is_file():
             with np.load(path) as z:
-                if bytes(z["identity"]).decode() == identity:
+                try:
+                    stored = json.loads(bytes(z["identity"]).decode())
+                except ValueError:
+                    stored = {}
+                if stored.get("data") == data and (start > 0 or stored.get("weights") == weights):
                     self._train_rows.ref, self._heldout_rows.ref = z["train"], z["heldout"]
                     self.prepared = True
                     log(f"reference log-probabilities: {path}")
@@ -177,6 +202,8 @@ class PreferencePipeline(ChatPipeline):
                 raise CheckpointError(f"{path} was computed for other pairs (data, tokenizer, "
                                       f"template or seq_len changed); a preference run resumes "
                                       f"on the data it started with")
+            log(f"{path} was computed for other pairs or other starting weights: computing "
+                f"the reference anew")
         elif start > 0:
             raise CheckpointError(f"{path} is missing: a preference run resumes with the "
                                   f"reference log-probabilities it computed at its start")
@@ -203,12 +230,23 @@ class PreferencePipeline(ChatPipeline):
         if jax.process_index() == 0:
             workdir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".partial.npz")
+            identity = json.dumps({"data": data, "weights": weights})
             np.savez(tmp, train=refs[0], heldout=refs[1],
                      identity=np.frombuffer(identity.encode(), np.uint8))
             tmp.replace(path)
         log(f"reference log-probabilities of {self.train_conversations} train and "
             f"{self.heldout_conversations} held-out pairs computed with the starting weights: "
             f"{path}")
+
+    def rows_digest(self) -> str:
+        """A hash of every train and held-out row as the reference pass reads it: the packing
+        plan, each side's token ids and response flags, the tokenizer, template and seq_len."""
+        h = hashlib.sha256(json.dumps([self.plan_digest, self.fingerprint, self.template.digest,
+                                       self.seq_len]).encode())
+        for rows in (self._train_rows, self._heldout_rows):
+            for a in (rows.conv.ids, rows.conv.trained, rows.conv.offsets):
+                h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:32]
 
     def _to_device(self, host: dict) -> dict:
         from data import batching

@@ -31,7 +31,7 @@ from data.iterator import TrainIterator
 from data.batches import Batches
 from errors import DataError
 
-VERSION = 1  # bump when rendering or masking changes, so old caches are not reused
+VERSION = 2  # bump when rendering or masking changes, so old caches are not reused
 FORMATS = ("text", "chat", "preference")  # data.format
 TOO_LONG = ("drop", "truncate")
 _ENCODE_CHUNK = 256
@@ -43,6 +43,9 @@ class Conversations:
     ids: np.ndarray  # int32
     trained: np.ndarray  # bool per token: whether it is trained as a label
     offsets: np.ndarray  # int64 [n + 1]
+    # per unit (a conversation; a preference pair), its place in [0, 1) for the held-out split
+    # (data/chat.py split_key); None once the units are fitted to rows
+    keys: np.ndarray | None = None
 
     @property
     def count(self) -> int:
@@ -56,6 +59,14 @@ class Conversations:
         a, b = self.offsets[i], self.offsets[i + 1]
         return self.ids[a:b], self.trained[a:b]
 
+    @staticmethod
+    def of(ids: list, trained: list, keys: list | None = None) -> "Conversations":
+        """Sequences given one by one (none at all is an empty set)."""
+        offsets = np.concatenate([[0], np.cumsum([len(t) for t in ids], dtype=np.int64)])
+        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))  # noqa: E731
+        return Conversations(cat(ids, np.int32), cat(trained, bool), offsets.astype(np.int64),
+                             None if keys is None else np.asarray(keys, np.float64))
+
 
 def tokenize(records, template: chat_template.ChatTemplate, tokenizer, train_on: str,
              messages_field: str = "", tally: chat.Tally | None = None) -> Conversations:
@@ -63,12 +74,12 @@ def tokenize(records, template: chat_template.ChatTemplate, tokenizer, train_on:
     rendered, tokenized (no special tokens added: the template writes them) and masked. Those
     passed over are counted in ``tally``."""
     tally = tally if tally is not None else chat.Tally()
-    ids, trained, lengths = [], [], []
-    pending: list[tuple[str, str, list]] = []
+    ids, trained, keys = [], [], []
+    pending: list[tuple[str, str, list, float]] = []
 
     def flush():
-        texts = [text for _, text, _ in pending]
-        for (where, _, spans), enc in zip(pending, tokenizer.encode_batch(
+        texts = [text for _, text, _, _ in pending]
+        for (where, _, spans, key), enc in zip(pending, tokenizer.encode_batch(
                 texts, add_special_tokens=False)):
             flags = chat_template.token_mask(enc.offsets, spans)
             if not flags[1:].any():  # the first token is never a label
@@ -76,31 +87,29 @@ def tokenize(records, template: chat_template.ChatTemplate, tokenizer, train_on:
                 continue
             ids.append(np.asarray(enc.ids, np.int32))
             trained.append(flags)
-            lengths.append(len(enc.ids))
+            keys.append(key)
         pending.clear()
 
     for where, record in records:
         tally.read += 1
         try:
             messages = chat.messages_of(record, messages_field)
-            text, spans = template.spans(messages, train_on)
+            text, spans = template.spans(messages, train_on, chat.template_context(record))
         except (BadConversation, chat_template.TemplateError) as e:
             tally.add("bad", f"{where}: {e}")
             continue
-        pending.append((where, text, spans))
+        pending.append((where, text, spans, chat.split_key(messages)))
         if len(pending) >= _ENCODE_CHUNK:
             flush()
     flush()
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))  # noqa: E731
-    return Conversations(cat(ids, np.int32), cat(trained, bool), offsets)
+    return Conversations.of(ids, trained, keys)
 
 
 def _save(conv: Conversations, notes: dict, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".npz")
     with os.fdopen(fd, "wb") as f:
-        np.savez(f, ids=conv.ids, trained=conv.trained, offsets=conv.offsets,
+        np.savez(f, ids=conv.ids, trained=conv.trained, offsets=conv.offsets, keys=conv.keys,
                  notes=np.frombuffer(json.dumps(notes).encode(), np.uint8))
     os.replace(tmp, path)  # readers see the whole file or none
 
@@ -113,7 +122,7 @@ def cached(cache_dir: str, key: str, make) -> tuple[Conversations, dict, str]:
     path = os.path.join(os.path.expanduser(cache_dir), "chat", f"conversations-{digest}.npz")
     if os.path.isfile(path):
         with np.load(path) as z:
-            conv = Conversations(z["ids"], z["trained"].astype(bool), z["offsets"])
+            conv = Conversations(z["ids"], z["trained"].astype(bool), z["offsets"], z["keys"])
             notes = json.loads(z["notes"].tobytes().decode())
         return conv, notes, path
     conv, notes = make()
@@ -174,9 +183,12 @@ class ChatRows:
     (``shuffle``) or in packing order."""
 
     def __init__(self, conv: Conversations, rows: list[list[int]], seq_len: int, pad_id: int,
-                 seed: int | None):
+                 seed: int | None, wrap: bool = True):
         self.conv, self.packed, self.seq_len, self.pad_id, self.seed = conv, rows, seq_len, pad_id, seed
         self.rows_per_pass = len(rows)
+        # past the last row: the next epoch's (training), or empty rows (held out: a batch that
+        # would run over the end is padded, so every held-out row counts once)
+        self.wrap = wrap
 
         self._order = (None, None)  # (epoch, its row order): one tuple, swapped atomically
 
@@ -192,6 +204,9 @@ class ChatRows:
         """The conversations (indices) of global rows ``first .. first+count-1``, per row."""
         picked = []
         for g in range(first, first + count):
+            if not self.wrap and g >= self.rows_per_pass:
+                picked.append([])
+                continue
             epoch, r = divmod(g, self.rows_per_pass)
             picked.append(self.packed[int(self.order(epoch)[r])])
         return picked
@@ -227,9 +242,7 @@ def fit(conv: Conversations, ids: np.ndarray, seq_len: int, policy: str, tally: 
         keep.append(int(i))
         parts_ids.append(tok)
         parts_trained.append(tr)
-    offsets = np.concatenate([[0], np.cumsum([p.size for p in parts_ids])]).astype(np.int64)
-    cut = Conversations(np.concatenate(parts_ids).astype(np.int32),
-                        np.concatenate(parts_trained).astype(bool), offsets)
+    cut = Conversations.of(parts_ids, parts_trained)  # empty when every one was cut to nothing
     return cut, np.arange(len(keep), dtype=np.int64), np.asarray(keep, np.int64)
 
 
@@ -260,14 +273,24 @@ class ChatPipeline(Batches):
             raise DataError(f"no {w['what']} to train in {self.source.description}: "
                             f"{self._passed_over() or 'it holds none'}")
         self.conversations_read = units
-        train_ids, held_ids = split.heldout_split(units, float(d.heldout_fraction))
+        train_ids, held_ids = split.heldout_by_key(conv.keys, float(d.heldout_fraction))
         train_conv, train_ids, self._train_origin = self._fit(conv, train_ids, self.tally)
         self.heldout_tally = chat.Tally()
         held_conv, held_ids, self._held_origin = self._fit(conv, held_ids, self.heldout_tally)
         if train_ids.size == 0:
             raise DataError(f"every training {w['unit']} is longer than data.seq_len="
-                            f"{self.seq_len} tokens (data.too_long={self.too_long}); raise "
-                            f"data.seq_len or set data.too_long=truncate")
+                            f"{self.seq_len} tokens"
+                            + (" (data.too_long=drop); raise data.seq_len or set "
+                               "data.too_long=truncate" if self.too_long == "drop" else
+                               f" and cut to {w['cut']} trains nothing (data.too_long=truncate); "
+                               f"raise data.seq_len"))
+        if held_ids.size == 0 and int(config.train.eval_batches):
+            raise DataError(f"every held-out {w['unit']} ({self.heldout_tally.too_long}) is "
+                            f"longer than data.seq_len={self.seq_len} tokens"
+                            + (" (data.too_long=drop)" if self.too_long == "drop" else
+                               f" and cut to {w['cut']} trains nothing")
+                            + ": there is nothing to evaluate; raise data.seq_len or "
+                              "data.heldout_fraction, or set train.eval_batches=0")
         self.train_rows_packed = [[int(train_ids[j]) for j in row]
                                   for row in best_fit(self._sizes(train_conv, train_ids), self.seq_len)]
         held_rows = [[int(held_ids[j]) for j in row]
@@ -279,7 +302,8 @@ class ChatPipeline(Batches):
         self.shuffle_seed = int(d.shuffle_seed)
         self._train_rows = self.ROWS(train_conv, self.train_rows_packed, self.seq_len, self.eos_id,
                                      self.shuffle_seed)
-        self._heldout_rows = self.ROWS(held_conv, held_rows, self.seq_len, self.eos_id, None)
+        self._heldout_rows = self.ROWS(held_conv, held_rows, self.seq_len, self.eos_id, None,
+                                       wrap=False)
         self.plan_digest = hashlib.sha256(
             json.dumps([self.train_rows_packed, held_rows]).encode()).hexdigest()[:16]
         identity = {"tokenizer": self.fingerprint, "seq_len": self.seq_len,
@@ -361,9 +385,18 @@ class ChatPipeline(Batches):
                         f"(first: {t.first_empty})")
         return "; ".join(said)
 
+    def heldout_rows(self, n: int) -> list[int]:
+        """First global row of each held-out batch: every held-out row once (the last batch
+        padded with empty rows) when they fill at most ``n`` batches, else ``n`` batches spread
+        evenly over them."""
+        rows = self._heldout_rows.rows_per_pass
+        if rows <= n * self.batch_size:
+            return list(range(0, rows, self.batch_size))
+        return [i * rows // n for i in range(n)]
+
     # the startup line's words for what this pipeline reads (data/preference.py has its own)
     WORDS = {"kind": "chat", "unit": "conversation", "what": "conversation",
-             "bad": "not conversations",
+             "cut": "its first data.seq_len tokens", "bad": "not conversations",
              "truncated": "truncated", "trained": "trained tokens"}
 
     def plan_line(self) -> str:

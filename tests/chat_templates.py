@@ -9,6 +9,8 @@ their special tokens.
 - GEMMA3: Gemma 3's (``<start_of_turn>user`` / ``model``, the system prompt folded into the first
   user turn, contents trimmed, roles must alternate).
 - LLAMA3: Llama 3 Instruct's (header ids, ``<|eot_id|>``, contents trimmed).
+- PHI3: Phi-3-mini-4k-instruct's (``<|user|>`` / ``<|assistant|>``, ``<|end|>``; after the last
+  message, unless the generation prompt follows, the ``eos_token``: a suffix no earlier turn has).
 - MARKED: a ChatML template with ``{% generation %}`` marks (what transformers'
   ``return_assistant_tokens_mask`` needs), marking each assistant turn's content and its
   ``<|im_end|>``.
@@ -163,6 +165,13 @@ LLAMA3 = (
     "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
 MARKED = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
@@ -184,6 +193,10 @@ FAMILIES = {
     "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                         "<|end_header_id|>", "<|eot_id|>"],
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "phi3": (PHI3, ["<unk>", "<s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|system|>",
+                    "<|user|>"],
+             {"bos_token": "<s>", "eos_token": "<|endoftext|>", "unk_token": "<unk>",
+              "pad_token": "<|endoftext|>"}),
     "marked": (MARKED, CHATML, {"eos_token": "<|im_end|>"}),
 }
 

@@ -77,14 +77,17 @@ def test_marked_template_gives_transformers_assistant_mask(families, rng):
         assert sum(mask) > 0
 
 
-# What each family writes for an assistant turn of ``content`` that the model must produce:
-# (in the middle of a conversation, as its last turn).
+# What each family writes for an assistant turn of ``content`` that the model must produce, up
+# to its end-of-turn token (in the middle of a conversation, as its last turn): the newline the
+# template writes after it separates turns and is not trained (generation marks leave it out).
 TURN = {
-    "smollm2": (lambda c: c + "<|im_end|>\n", lambda c: c + "<|im_end|>\n"),
-    "qwen3": (lambda c: c + "<|im_end|>\n",
-              lambda c: "<think>\n\n</think>\n\n" + c.lstrip("\n") + "<|im_end|>\n"),
-    "gemma3": (lambda c: c.strip() + "<end_of_turn>\n", lambda c: c.strip() + "<end_of_turn>\n"),
+    "smollm2": (lambda c: c + "<|im_end|>", lambda c: c + "<|im_end|>"),
+    "qwen3": (lambda c: c + "<|im_end|>",
+              lambda c: "<think>\n\n</think>\n\n" + c.lstrip("\n") + "<|im_end|>"),
+    "gemma3": (lambda c: c.strip() + "<end_of_turn>", lambda c: c.strip() + "<end_of_turn>"),
     "llama3": (lambda c: c.strip() + "<|eot_id|>", lambda c: c.strip() + "<|eot_id|>"),
+    # the eos_token it writes after the last message is not the last turn's
+    "phi3": (lambda c: c + "<|end|>", lambda c: c + "<|end|>"),
 }
 
 
@@ -117,6 +120,71 @@ def test_turn_by_turn_masks_are_each_assistant_turn_and_its_end(families, family
             first, final = enc.char_to_token(start), enc.char_to_token(start + len(turn) - 1)
             want[first:final + 1] = 1
         assert mask == want.tolist(), (family, messages)
+
+
+def test_turn_by_turn_trains_what_generation_marks_train(families, rng):
+    """The marked ChatML template without its marks, found turn by turn, trains the same tokens
+    as with them: each turn's content and <|im_end|>, not the newline after it."""
+    template, _, tok = families["marked"]
+    bare = chat_template.ChatTemplate(chat_template.GENERATION_MARK.sub("", template.source)
+                                      .replace("{% endgeneration %}", ""), "bare",
+                                      template.special_tokens)
+    assert not bare.marked
+    for _ in range(12):
+        messages = conversation(rng)
+        assert bare.render(messages) == template.render(messages)
+        assert our_mask(bare, tok, messages) == our_mask(template, tok, messages)
+
+
+def test_a_turn_rendered_otherwise_when_last_is_refused_naming_the_difference(families):
+    """A template that ends its last message otherwise, in the same piece of text as the turn
+    (not a suffix after the conversation): one line that shows both endings."""
+    template, _, _ = families["smollm2"]
+    olmo_like = chat_template.ChatTemplate(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "('<|im_end|>' if not (loop.last and m['role'] == 'assistant') else eos_token) + "
+        "'\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        "olmo-like", {"eos_token": "<|endoftext|>"})
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "bcd"},
+                {"role": "user", "content": "e"}, {"role": "assistant", "content": "f"}]
+    with pytest.raises(chat_template.TemplateError) as e:
+        olmo_like.spans(messages)
+    said = str(e.value)
+    assert "assistant turn 1" in said and "\n" not in said
+    assert "'bcd<|endoftext|>" in said and "'bcd<|im_end|>" in said
+    assert "when it is the last message" in said and "differ after 5 characters" in said
+
+
+def test_tools_and_template_kwargs_of_a_record_reach_the_template(families, rng):
+    """A record's tools (a list of JSON schemas, or that list as a JSON string) and its
+    chat_template_kwargs render as transformers renders them with tools= and the kwargs."""
+    from data import chat
+    template, hf, _ = families["qwen3"]
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]
+    messages = conversation(rng, turns=2, system=True)
+    for record in ({"messages": messages, "tools": tools},
+                   {"messages": messages, "tools": json.dumps(tools),
+                    "chat_template_kwargs": {"enable_thinking": False}}):
+        context = chat.template_context(record)
+        kwargs = record.get("chat_template_kwargs", {})
+        for prompt in (False, True):
+            want = hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                          add_generation_prompt=prompt, **kwargs)
+            assert "get_weather" in want
+            assert template.render(messages, prompt, context=context) == want
+        text, spans = template.spans(messages, context=context)
+        assert text == hf.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+        assert [text[a:b] for a, b in spans][0] == messages[2]["content"] + "<|im_end|>"
+    for record, why in (({"tools": "{not json"}, "'tools' is a string that is not JSON"),
+                        ({"tools": {"name": "f"}}, "'tools' is dict, not a list"),
+                        ({"chat_template_kwargs": ["x"]}, "'chat_template_kwargs' is list"),
+                        ({"chat_template_kwargs": {"messages": 1}}, "sets messages")):
+        with pytest.raises(chat.BadConversation, match=why):
+            chat.template_context(record)
 
 
 def test_train_on_last_assistant_and_all(families, rng):

@@ -287,6 +287,89 @@ def test_pair_formats_and_bad_records():
             chat.pair_of(record)
 
 
+def ultrafeedback(rng):
+    """A record as HuggingFaceH4/ultrafeedback_binarized writes it: a string prompt, and chosen
+    and rejected as whole conversations that already hold it (and its other columns)."""
+    ask = say(rng)
+    user = {"role": "user", "content": ask}
+    chosen, rejected = ({"role": "assistant", "content": say(rng)} for _ in range(2))
+    return {"prompt": ask, "prompt_id": "0" * 64, "chosen": [user, chosen],
+            "rejected": [user, rejected], "messages": [user, chosen], "score_chosen": 8.0,
+            "score_rejected": 5.5}
+
+
+def test_ultrafeedback_pairs_hold_their_prompt_once(chat_run, rng):
+    """The hub's shape (a string prompt beside conversations that repeat it) gives one prompt,
+    as TRL's maybe_extract_prompt takes it: each side is the conversation itself, rendered and
+    masked as transformers renders it (return_assistant_tokens_mask); a prompt that is not the
+    user turn both share is a bad record; a prompt given as messages that the conversations
+    repeat is not doubled either; Gemma 3's template (roles must alternate) takes the pair."""
+    from data import chat_template
+    from data.preference import tokenize_pairs
+    import chat_templates as ct
+    hf_tok = chat_run[2]
+    template = chat_template.load("", str(chat_run[0] / "tokenizer.json"))
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(chat_run[0] / "tokenizer.json"))
+    records = [ultrafeedback(rng) for _ in range(6)]
+    conv = tokenize_pairs([(f"line {i}", r) for i, r in enumerate(records)], template, tok,
+                          chat.Tally())
+    assert conv.count == 12
+    for i, record in enumerate(records):
+        prompt, chosen, rejected = chat.pair_of(record)
+        assert prompt == record["chosen"][:1] and chosen == record["chosen"][1:]
+        for k, whole in enumerate((record["chosen"], record["rejected"])):
+            want = hf_tok.apply_chat_template(whole, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+            ids, trained = conv.one(2 * i + k)
+            assert ids.tolist() == list(want["input_ids"])
+            assert trained.astype(int).tolist() == list(want["assistant_masks"])
+    # the repeat given as messages; and a prompt the conversations do not hold
+    record = records[0]
+    assert chat.pair_of(dict(record, prompt=record["chosen"][:1])) == chat.pair_of(record)
+    with pytest.raises(chat.BadConversation, match=r"the prompt 'something else' is not the user "
+                                                   r"turn chosen and rejected share"):
+        chat.pair_of(dict(record, prompt="something else"))
+    gemma = ct.FAMILIES["gemma3"]
+    gemma3 = chat_template.ChatTemplate(gemma[0], "gemma3", gemma[2])
+    prompt, chosen, _ = chat.pair_of(record)
+    text, spans = gemma3.response_spans(prompt, chosen)
+    assert text.count(record["prompt"].strip()) == 1
+    assert [text[a:b] for a, b in spans] == [chosen[0]["content"].strip() + "<end_of_turn>"]
+
+
+def test_a_reference_is_reused_only_for_the_same_tokens_and_starting_weights(
+        chat_run, pairs_file, tmp_path):
+    """A rerun in the same run directory from other starting weights, or on pairs whose chosen
+    and rejected are swapped (the same sizes, so the same packing plan), computes the reference
+    anew; the same data and weights read it."""
+    c = config(chat_run, pairs_file, tmp_path)
+    pipe, trainer, params = prepared(c, tmp_path)
+    said = []
+    first = pipe._train_rows.ref.copy()
+    again = make_pipeline(c, pipe.mesh)
+    again.prepare(trainer, params, tmp_path / "run", 0, said.append)
+    assert said == [f"reference log-probabilities: {tmp_path / 'run' / 'reference_logps.npz'}"]
+    np.testing.assert_array_equal(again._train_rows.ref, first)
+    other = jax.tree.map(lambda x: x * 1.01, params)  # another RUN_DIR's weights
+    said.clear()
+    again.prepare(trainer, other, tmp_path / "run", 0, said.append)
+    assert "other starting weights: computing the reference anew" in said[0]
+    assert not np.array_equal(again._train_rows.ref, first)
+    swapped = write_jsonl(tmp_path / "swapped.jsonl", [
+        dict(r, chosen=r["rejected"], rejected=r["chosen"]) for r in pairs_file[1]])
+    c_swapped = config(chat_run, pairs_file, tmp_path, path=str(swapped))
+    flipped = make_pipeline(c_swapped, pipe.mesh)
+    assert flipped.plan_digest == pipe.plan_digest  # what the old key read
+    said.clear()
+    flipped.prepare(trainer, params, tmp_path / "run", 0, said.append)
+    assert "computing the reference anew" in said[0]
+    ref = flipped._train_rows.ref
+    np.testing.assert_allclose(ref.reshape(-1, 2)[:, ::-1].reshape(-1), first, rtol=1e-5)
+    for p in (pipe, again, flipped):
+        p.close()
+
+
 def test_bad_records_are_counted_and_a_file_without_pairs_is_one_line(
         chat_run, pairs_file, tmp_path):
     rng = np.random.default_rng(1)
@@ -331,9 +414,15 @@ def test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports(chat_run, pairs_
     done = dpo_run(chat_run, pairs_file, whole)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    assert "data: preference pairs, 30 records read" in out and "24 train / 5 held out" in out
-    assert "held out: 1 pair(s) longer than 256 tokens, 1 dropped" in out
-    assert "reference log-probabilities of 24 train and 5 held-out pairs computed" in out
+    import re
+    from data.split import heldout_by_key  # each pair's side: a hash of its prompt
+    held = heldout_by_key(np.array([chat.split_key(r["prompt"]) for r in pairs_file[1]]), 0.2)[1]
+    long = re.search(r"held out: (\d+) pair\(s\) longer than 256 tokens, (\d+) dropped", out)
+    dropped = int(long[2]) if long else 0
+    assert long is None or long[1] == long[2]
+    train, kept = 30 - held.size, held.size - dropped
+    assert "data: preference pairs, 30 records read" in out and f"{train} train / {kept} held out" in out
+    assert f"reference log-probabilities of {train} train and {kept} held-out pairs computed" in out
     metrics, evals = tr.metrics(whole), tr.evals(whole)
     assert abs(metrics[1]["loss"] - math.log(2)) < 1e-5 and metrics[1]["pairs"] > 4
     assert metrics[4]["loss"] < metrics[1]["loss"]

@@ -292,6 +292,98 @@ def test_too_long_conversations_are_dropped_or_truncated_and_counted(chat_run, t
     cut.close()
 
 
+def test_nothing_left_after_fitting_the_rows_is_one_line(chat_run, tmp_path):
+    """Every training conversation too long (dropped, or cut to nothing), or every held-out one
+    when an evaluation is asked for: one line naming data.seq_len, not a crash."""
+    rng = np.random.default_rng(12)
+    asks = [{"messages": [{"role": "user", "content": say(rng, 200, 201)},
+                          {"role": "assistant", "content": say(rng, 3, 4)}]} for _ in range(6)]
+    path = write_jsonl(tmp_path / "asks.jsonl", asks)
+    for policy, why in (("drop", r"\(data.too_long=drop\); raise data.seq_len or set "
+                                 r"data.too_long=truncate"),
+                        ("truncate", r"and cut to its first data.seq_len tokens trains nothing "
+                                     r"\(data.too_long=truncate\); raise data.seq_len")):
+        with pytest.raises(DataError, match=r"every training conversation is longer than "
+                                            r"data.seq_len=256 tokens " + why) as e:
+            pipeline(config(chat_run, tmp_path, path=str(path), too_long=policy))
+        assert "\n" not in str(e.value)
+    # every held-out conversation too long: one line unless no evaluation is asked for
+    keys = np.array([chat.split_key(r["messages"]) for r in chat_run[4]])
+    from data.split import heldout_by_key
+    held = set(heldout_by_key(keys, 0.1)[1].tolist())
+    # the held-out ones made long after their prompt (which alone decides their side)
+    records = [{"messages": [*r["messages"][:-1], {"role": "assistant", "content": say(
+        rng, 200, 201)}]} if i in held else r for i, r in enumerate(chat_run[4])]
+    path = write_jsonl(tmp_path / "held_long.jsonl", records)
+    c = config(chat_run, tmp_path, path=str(path))
+    c.train.eval_batches = 1
+    with pytest.raises(DataError, match=rf"every held-out conversation \({len(held)}\) is longer "
+                                        r"than data.seq_len=256 tokens \(data.too_long=drop\): "
+                                        r"there is nothing to evaluate; .* train.eval_batches=0"):
+        pipeline(c)
+    c.train.eval_batches = 0
+    pipe, _ = pipeline(c)
+    assert pipe.heldout_conversations == 0 and pipe.heldout_batches(0) == []
+    pipe.close()
+
+
+def test_heldout_rows_are_each_evaluated_once_and_chosen_by_the_record(chat_run, tmp_path):
+    """Fewer held-out rows than eval_batches x batch_size: each row once, the last batch padded
+    with empty rows; a record's side is a hash of its prompt, the same whatever else is read."""
+    c = config(chat_run, tmp_path, heldout_fraction=0.3, seq_len=64, too_long="truncate")
+    pipe, _ = pipeline(c)
+    rows = pipe._heldout_rows.rows_per_pass
+    assert 4 < rows < 16 * c.data.batch_size
+    firsts = pipe.heldout_rows(16)
+    assert firsts == list(range(0, rows, c.data.batch_size))
+    seen = [i for f in firsts for row in pipe.conversations(f, c.data.batch_size, heldout=True)
+            for i in row]
+    held = [i for row in pipe.conversations(0, rows, heldout=True) for i in row]
+    assert sorted(seen) == sorted(held) and len(set(seen)) == len(seen)  # each once
+    last = pipe.host_batch(firsts[-1], heldout=True)
+    pad = firsts[-1] + c.data.batch_size - rows  # the padding rows: nothing to evaluate
+    assert pad >= 0 and (pad == 0 or last["loss_mask"][-pad:].sum() == 0)
+    # membership moves with neither max_docs nor the records around it
+    fewer, _ = pipeline(config(chat_run, tmp_path, heldout_fraction=0.3, seq_len=64,
+                               too_long="truncate", max_docs=25))
+    held_fewer = [i for row in fewer.conversations(0, fewer._heldout_rows.rows_per_pass,
+                                                   heldout=True) for i in row]
+    assert sorted(held_fewer) == sorted(i for i in held if i < 25)
+    want = [i for i, r in enumerate(chat_run[4]) if chat.split_key(r["messages"]) < 0.3]
+    assert set(held) <= set(want)  # less those cut to nothing (their prompts fill 64 tokens)
+    assert len(want) - len(held) == pipe.heldout_tally.cut_to_nothing
+    pipe.close()
+    fewer.close()
+
+
+def test_fields_these_pipelines_do_not_read_and_document_mask_off_are_one_line(chat_run, tmp_path):
+    from configs.validate import validate
+    from errors import ConfigError
+    for field, value, why in (
+            ("attention.document_mask", False, r"attention.document_mask=False with data.format="
+                                               r"chat: packed conversations would attend to each "
+                                               r"other .* needs attention.document_mask=True"),
+            ("data.min_doc_tokens", 8, r"data.min_doc_tokens=8 is not read with data.format=chat"),
+            ("data.long_doc_tokens", 100, r"data.long_doc_tokens=100 is not read"),
+            ("data.reset_positions_at_doc", False, r"data.reset_positions_at_doc=False is not read")):
+        c = config(chat_run, tmp_path)
+        section, name = field.split(".")
+        c[section][name] = value
+        with pytest.raises(ConfigError, match=why) as e:
+            validate(c, 1)
+        assert "\n" not in str(e.value)
+    validate(config(chat_run, tmp_path), 1)
+
+
+def test_sharegpt_speakers_that_are_not_text_are_bad_records():
+    for speaker in (["human"], {"x": 1}, 3, None):
+        with pytest.raises(chat.BadConversation, match="is from"):
+            chat.messages_of({"conversations": [{"from": speaker, "value": "hi"},
+                                                {"from": "gpt", "value": "yo"}]})
+    with pytest.raises(chat.BadConversation, match=r"has role \['user'\]"):
+        chat.messages_of({"messages": [{"role": ["user"], "content": "hi"}]})
+
+
 def test_an_hf_dataset_on_disk_reads_as_the_jsonl_does(chat_run, tmp_path):
     import datasets
     records = chat_run[4]
@@ -330,7 +422,9 @@ def test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports(chat
     done = sft_run(chat_run, whole)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    assert "data: chat, 40 records read" in out and "36 train / 4 held out" in out
+    from data.split import heldout_by_key  # each record's side: a hash of its prompt
+    held = heldout_by_key(np.array([chat.split_key(r["messages"]) for r in chat_run[4]]), 0.1)[1].size
+    assert "data: chat, 40 records read" in out and f"{40 - held} train / {held} held out" in out
     assert "(turn by turn" not in out  # the marked template's own marks
     metrics = tr.metrics(whole)
     assert sorted(metrics) == [1, 2, 3, 4] and all(m["trained_tokens"] > 0 for m in metrics.values())
