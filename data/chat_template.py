@@ -104,6 +104,15 @@ def with_reasoning_aliases(messages: list[dict]) -> list[dict]:
     return out
 
 
+# A character no text holds (Unicode's private use area): marks where contents land (_fast_turns)
+MARK = "\ue000"
+# Conversations on which a template's fast turn spans must equal its turn-by-turn ones before
+# they are used alone; template digest -> how many have (-1: one differed, never again).
+TRUST_AFTER = 8
+FAST_FROM = 5  # assistant turns from which the linear path costs fewer renders
+_TRUSTED: dict[str, int] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
     source: str  # the jinja text
@@ -158,8 +167,9 @@ class ChatTemplate:
             text = self.render(messages, marks=marks, context=context)
             spans = [s for s in marks if s[1] > s[0]]
         else:
-            text = self.render(messages, context=context)
-            spans = self._turns(messages, range(len(messages)), text, context)
+            chunks: list = []
+            text = self.render(messages, context=context, chunks=chunks)
+            spans = self._turns(messages, range(len(messages)), text, context, chunks)
         if train_on == "last_assistant":
             spans = spans[-1:]
         return text, spans
@@ -179,21 +189,115 @@ class ChatTemplate:
                 start = len(self.render(prompt, add_generation_prompt=True, context=context))
                 spans = [s for s in marks if s[0] >= start]
             return text, [s for s in spans if s[1] > s[0]]
-        text = self.render(messages, context=context)
-        return text, self._turns(messages, range(len(prompt), len(messages)), text, context)
+        chunks: list = []
+        text = self.render(messages, context=context, chunks=chunks)
+        return text, self._turns(messages, range(len(prompt), len(messages)), text, context,
+                                 chunks)
 
-    def _turns(self, messages, among, text, context) -> list[tuple[int, int]]:
-        """The non-empty spans of the assistant turns whose index is in ``among``."""
-        suffix = self._suffix(messages, context)
-        return [s for i in among if messages[i]["role"] == "assistant"
-                for s in [self._turn(messages, i, text, context, suffix)] if s[1] > s[0]]
+    def _turns(self, messages, among, text, context, chunks) -> list[tuple[int, int]]:
+        """The non-empty spans of the assistant turns whose index is in ``among``: each found
+        turn by turn (``_turn``, two renders of the conversation up to it: quadratic in turns),
+        or, past the first and last, from one more render of the whole (``_fast_turns``: for
+        FAST_FROM turns or more, where it costs fewer renders). ``chunks``: ``text``'s pieces."""
+        suffix = self._suffix(messages, context, chunks)
+        wanted = [i for i in among if messages[i]["role"] == "assistant"]
+        spans = None
+        if len(wanted) >= FAST_FROM and _TRUSTED.get(self.digest, 0) >= 0:
+            spans = self._fast_turns(messages, wanted, text, context, suffix)
+            if spans is not None and _TRUSTED.get(self.digest, 0) < TRUST_AFTER:
+                exact = [self._turn(messages, i, text, context, suffix) for i in wanted]
+                _TRUSTED[self.digest] = _TRUSTED.get(self.digest, 0) + 1 if exact == spans else -1
+                spans = exact
+        if spans is None:
+            spans = [self._turn(messages, i, text, context, suffix) for i in wanted]
+        return [s for s in spans if s[1] > s[0]]
 
-    def _suffix(self, messages, context) -> str:
+    def _fast_turns(self, messages, wanted, text, context, suffix
+                    ) -> list[tuple[int, int]] | None:
+        """``_turn``'s spans for the assistant turns ``wanted`` (three or more) in linear time,
+        or None where this conversation does not allow it. The first and last turns are found
+        as ``_turn`` finds them; the first tells what the template writes between a turn's
+        start and its content (``head``: "" for most) and after the content to the turn's end
+        (``tail``: the end-of-turn token). Every message's content is located by one render with
+        a private-use character around each (the conversation must render the same without
+        them); a middle turn is then its content with ``head`` before it and everything after it
+        through the first ``tail`` before the next message's content (its tool calls
+        included). A middle turn where ``head`` or ``tail`` is not found is found by ``_turn``.
+        Until a template's fast spans have equalled ``_turn``'s on TRUST_AFTER conversations
+        (``_turns``), both are computed and ``_turn``'s are used; one difference and the
+        template is only ever read turn by turn."""
+        if MARK in text:
+            return None
+        # (an empty content stays unmarked: a template may test it, Qwen3's before tool calls)
+        owners = [i for i, m in enumerate(messages)
+                  if isinstance(m.get("content"), str) and m["content"]]
+        marked = [dict(m, content=MARK + m["content"] + MARK) if i in owners else m
+                  for i, m in enumerate(messages)]
+        try:
+            rendered = self.render(marked, context=context)
+        except TemplateError:
+            return None
+        if rendered.replace(MARK, "") != text:
+            return None  # the marks changed the text (a template that trims the content)
+        at, found = -1, []
+        while True:
+            at = rendered.find(MARK, at + 1)
+            if at == -1:
+                break
+            found.append(at - len(found))  # its place in the text without the marks
+        if len(found) != 2 * len(owners):
+            return None  # a content written twice, or not at all
+        content = {i: (found[2 * k], found[2 * k + 1]) for k, i in enumerate(owners)}
+        first, last = wanted[0], wanted[-1]
+        exact = {i: self._turn(messages, i, text, context, suffix) for i in (first, last)}
+        if first not in content:
+            return None
+        (start, end), (lo, hi) = exact[first], content[first]
+        if not start <= lo <= hi <= end:
+            return None
+        head, tail = text[start:lo], text[hi:end]
+        header = self._header(messages[:first], context, start) if any(
+            i not in content for i in wanted[1:-1]) else ""
+        out = []
+        for i in wanted:
+            got = exact.get(i)
+            prev = max((content[j][1] for j in content if j < i), default=0)
+            bound = min((content[j][0] for j in content if j > i), default=len(text) - len(suffix))
+            s = -1
+            if got is None and i in content:
+                lo, hi = content[i]
+                s = lo - len(head) if lo >= len(head) and text.startswith(head, lo - len(head)) else -1
+            elif got is None and header:  # no content: after the generation prompt's header
+                s = text.find(header, prev, bound)
+                s, hi = (s + len(header),) * 2 if s != -1 else (-1, -1)
+            if got is None and s != -1:
+                e = text.find(tail, hi, bound) if tail else hi
+                if e != -1:
+                    e += len(tail)
+                    got = (s, s + len(text[s:e].rstrip()))
+            out.append(got if got is not None else
+                        self._turn(messages, i, text, context, suffix))
+        return out
+
+    def _header(self, before: list[dict], context, start: int) -> str:
+        """The generation prompt's header: what the conversation ``before`` a turn gains with it,
+        past the pieces of its text without it ("" when that is not plain); a turn with no
+        content to mark starts after it."""
+        plain: list = []
+        self.render(before, context=context, chunks=plain)
+        prompted = self.render(before, add_generation_prompt=True, context=context)
+        shared, at = 0, 0
+        while shared < len(plain) and prompted.startswith(plain[shared], at):
+            at += len(plain[shared])
+            shared += 1
+        header = prompted[at:]
+        return header if header and len(prompted) == start else ""
+
+    def _suffix(self, messages, context, plain: list) -> str:
         """What the template writes after the last message when no generation prompt follows
-        (Phi-3's eos_token; "" for most): the pieces of the conversation's text past those it
-        shares, piece for piece, with the same conversation rendered with the prompt."""
-        plain, prompted = [], []
-        self.render(messages, context=context, chunks=plain)
+        (Phi-3's eos_token; "" for most): the pieces of the conversation's text (``plain``) past
+        those it shares, piece for piece, with the same conversation rendered with the prompt."""
+        prompted: list = []
         self.render(messages, add_generation_prompt=True, context=context, chunks=prompted)
         k = 0
         while k < min(len(plain), len(prompted)) and plain[k] == prompted[k]:

@@ -187,6 +187,43 @@ def test_tools_and_template_kwargs_of_a_record_reach_the_template(families, rng)
             chat.template_context(record)
 
 
+def test_long_conversations_are_found_in_one_render_as_turn_by_turn_finds_them(families, rng):
+    """The linear path (_fast_turns: the first and last turns found turn by turn, the others
+    from one render with their contents marked) gives exactly the turn-by-turn spans, in every
+    family, with tool calls and tool replies in Qwen3's; and a conversation it cannot read
+    (a template that trims the marked contents' whitespace) is left to the turn-by-turn path."""
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    fast_read = 0
+    for family in ("smollm2", "qwen3", "gemma3", "llama3", "phi3"):
+        template = families[family][0]
+        for _ in range(6):
+            messages = conversation(rng, turns=int(rng.integers(3, 7)), system=family != "gemma3")
+            if family == "qwen3":  # an agent's turn: a tool call, the tool's reply, the answer
+                k = 2 * int(rng.integers(1, 3)) + 2  # before an answer, after its question
+                messages[k:k] = [{"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": call}]},
+                    {"role": "tool", "content": sentence(rng)},]
+            for m in messages:
+                if rng.random() < 0.7:
+                    m["content"] = m["content"].strip() or "x"
+            chunks = []
+            text = template.render(messages, chunks=chunks)
+            wanted = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            suffix = template._suffix(messages, None, chunks)
+            exact = [template._turn(messages, i, text, None, suffix) for i in wanted]
+            fast = template._fast_turns(messages, wanted, text, None, suffix)
+            if fast is not None:
+                fast_read += 1
+                assert fast == exact, (family, messages)
+            assert template.spans(messages)[1] == [s for s in exact if s[1] > s[0]]
+    assert fast_read >= 12
+    # a content with whitespace under a trimming template: the marks would change the text
+    gemma = families["gemma3"][0]
+    messages = conversation(rng, turns=4, system=False)
+    messages[3]["content"] = " padded "
+    assert gemma._fast_turns(messages, [1, 3, 5, 7], gemma.render(messages), None, "") is None
+
+
 def test_train_on_last_assistant_and_all(families, rng):
     template, hf, tok = families["marked"]
     messages = conversation(rng, turns=3)
