@@ -338,6 +338,27 @@ def test_ultrafeedback_pairs_hold_their_prompt_once(chat_run, rng):
     assert [text[a:b] for a, b in spans] == [chosen[0]["content"].strip() + "<end_of_turn>"]
 
 
+def test_pairs_that_all_overflow_a_row_and_fields_pairs_never_read_are_one_line(
+        chat_run, pairs_file, tmp_path):
+    from configs.validate import validate
+    from errors import ConfigError
+    rng = np.random.default_rng(3)
+    long = [{"prompt": say(rng, 150, 151), "chosen": say(rng), "rejected": say(rng)}
+            for _ in range(4)]
+    path = write_jsonl(tmp_path / "long.jsonl", long)
+    for policy, why in (("drop", r"\(data.too_long=drop\); raise data.seq_len"),
+                        ("truncate", r"and cut to half a row each side trains nothing")):
+        c = config(chat_run, pairs_file, tmp_path, path=str(path), too_long=policy)
+        with pytest.raises(DataError, match=r"every training pair is longer than "
+                                            r"data.seq_len=256 tokens " + why):
+            make_pipeline(c, make_mesh(c.mesh, jax.devices()[:1]))
+    for field, value in (("train_on", "last_assistant"), ("messages_field", "conversations")):
+        c = config(chat_run, pairs_file, tmp_path, **{field: value})
+        with pytest.raises(ConfigError, match=rf"data.{field}='{value}' is not read with "
+                                              r"data.format=preference"):
+            validate(c, 1)
+
+
 def test_a_reference_is_reused_only_for_the_same_tokens_and_starting_weights(
         chat_run, pairs_file, tmp_path):
     """A rerun in the same run directory from other starting weights, or on pairs whose chosen
