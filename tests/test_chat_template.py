@@ -224,6 +224,19 @@ def test_long_conversations_are_found_in_one_render_as_turn_by_turn_finds_them(f
     assert gemma._fast_turns(messages, [1, 3, 5, 7], gemma.render(messages), None, "") is None
 
 
+def test_the_tokenizing_bench_times_both_paths_and_they_agree(tmp_path):
+    from scripts import bench_chat_data
+    out = tmp_path / "chat.json"
+    got = bench_chat_data.main(["--turns", "24", "--count", "12", "--repeats", "1",
+                                "--families", "qwen3,phi3", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == got["rows"] and [(r["family"], r["path"]) for r in rows] == [
+        ("qwen3", "turn by turn"), ("qwen3", "linear"), ("phi3", "turn by turn"), ("phi3", "linear")]
+    assert all(r["same_masks"] and r["one_long_s"] > 0 and r["many_s"] > 0 for r in rows)
+    assert [r["trusted"] for r in rows] == [False, True] * 2
+    assert rows[0]["assistant_turns"] >= chat_template.FAST_FROM
+
+
 def test_train_on_last_assistant_and_all(families, rng):
     template, hf, tok = families["marked"]
     messages = conversation(rng, turns=3)
