@@ -55,6 +55,25 @@ def get_config() -> ml_collections.ConfigDict:
     m.query_pre_attn_scalar = 0.0
     m.final_logit_softcap = 0.0  # logits C * tanh(logits / C) (Gemma 2/3's option); 0 = none
     m.tie_embeddings = False  # the output head is the embedding table (as in TinyLlama-like HF models)
+    # Mixture of experts in every layer's MLP slot (model/moe.py; docs/moe.md): a router picks
+    # top_k of num_experts gated MLPs per token, dropless. 0 experts: the dense MLP.
+    m.moe = e = ml_collections.ConfigDict()
+    e.num_experts = 0
+    e.top_k = 2  # experts per token
+    e.expert_dim = 0  # each expert's hidden width; 0 = model.ffn_dim
+    # softmax_topk (softmax over all, then the top k: Mixtral, Qwen3-MoE, OLMoE) | topk_softmax
+    # (the top k logits, then a softmax over them: gpt-oss)
+    e.router = "softmax_topk"
+    e.renormalize = True  # softmax_topk: the k weights rescaled to sum 1 (Mixtral, Qwen3's
+    # norm_topk_prob); False: the softmax's own (OLMoE)
+    e.router_bias = False  # a bias on the router's logits
+    # The load-balancing loss's weight (transformers' router_aux_loss_coef: its
+    # load_balancing_loss_func over the step's real tokens, pooled over layers), and the router
+    # z-loss's (the mean squared log-sum-exp of the logits); added to the loss, logged per step.
+    e.aux_loss = 0.01
+    e.z_loss = 0.0
+    e.capacity = 0.0  # picks an expert takes, as a multiple of the even share; 0 = dropless
+    e.grouped = "auto"  # the grouped matmul: auto | ragged (jax.lax.ragged_dot) | blocks (CPU)
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))
     m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)

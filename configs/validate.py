@@ -5,7 +5,7 @@ from data.files import POLICIES as BAD_RECORDS
 from data.mixture import check_fields as check_long_context_data
 from errors import ConfigError, DataError, LayoutError, MeshError
 from model import pattern, rope
-from model.layers import ACTIVATIONS
+from model.weights import ACTIVATIONS
 from model.decoder import DTYPES, REMAT
 from parallel import kernels, strategies
 from parallel.cluster import check_timeouts

@@ -99,19 +99,28 @@ class Decoder(nnx.Module):
                      chunk: int):
         """Masked next-token cross-entropy [B, L] in fp32; the final norm, head and softmax
         run over chunks of ``chunk`` tokens of each device's slice (model/loss.py)."""
-        x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+        return self.token_losses_routed(tokens_BL, positions_BL, segment_ids_BL, labels_BL,
+                                        mask_BL, chunk)[0]
+
+    def token_losses_routed(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL,
+                            chunk: int):
+        """(``token_losses``, the mixture of experts' router statistics summed over the layers:
+        model/moe.py ``router_stats``; None for a dense model)."""
+        x_BLD, stats = self.hidden(tokens_BL, positions_BL, segment_ids_BL, routed=True)
         mesh = self.act_sharding.mesh if self.act_sharding is not None else None
         return chunked_token_losses(x_BLD, labels_BL, mask_BL, **self.head_args(), chunk=chunk,
-                                    mesh=mesh, compute_dtype=self.dtype)
+                                    mesh=mesh, compute_dtype=self.dtype), stats
 
     def head_DV(self):
         """The output projection [D, V]: the embedding table itself when tied."""
         return self.embed[...].T if self.head is None else self.head[...]
 
-    def hidden(self, tokens_BL, positions_BL, segment_ids_BL, keep_kv: bool = False):
+    def hidden(self, tokens_BL, positions_BL, segment_ids_BL, keep_kv: bool = False,
+               routed: bool = False):
         """The last block's output [B, L, D] (before the final norm), in the batch's layout.
         ``keep_kv``: (output, (k, v)) with every layer's keys and values stacked
-        ``[layers, B, L, Hkv, D]`` (a KV cache's prefill, evaluation/kv_cache.py)."""
+        ``[layers, B, L, Hkv, D]`` (a KV cache's prefill, evaluation/kv_cache.py).
+        ``routed``: (output, router statistics summed over the layers, or None)."""
         x_BLD = self.embed_tokens(tokens_BL)
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -124,10 +133,15 @@ class Decoder(nnx.Module):
 
         def layer(x_BLD, layer_state, kind):
             block = nnx.merge(graphdef, layer_state)
-            x_BLD, kv = block.attend(x_BLD, positions_BL, segment_ids_BL, kind=kind)
-            return x_BLD, kv if keep_kv else None
+            x_BLD, kv, stats = block.attend_routed(x_BLD, positions_BL, segment_ids_BL,
+                                                   kind=kind)
+            return x_BLD, (kv if keep_kv else None, stats if routed else None)
 
-        x_BLD, kv = self.over_layers(layer, x_BLD, stacked, enter=enter, remat=self.remat)
+        x_BLD, (kv, stats) = self.over_layers(layer, x_BLD, stacked, enter=enter,
+                                              remat=self.remat)
+        if routed:
+            stats = None if stats is None else jax.tree.map(lambda s: s.sum(axis=0), stats)
+            return x_BLD, stats
         return (x_BLD, kv) if keep_kv else x_BLD
 
     def over_layers(self, layer, x, xs, enter=None, remat: str | None = None):

@@ -15,18 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from model.moe import MoE, experts_of
 from model.pattern import LayerKind
 from model.rope import Rope
+from model.weights import ACTIVATIONS, _bias, _param  # noqa: F401 (decoder.py's _param)
 
 
-def _param(rngs: nnx.Rngs, shape, axes, std: float) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
-
-
-def _bias(shape, axes) -> nnx.Param:
-    """A zero-initialised bias; ``weight_decay=False`` keeps AdamW's decay off it
-    (training/optim.py decay_mask)."""
-    return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes, weight_decay=False)
 
 
 class RMSNorm(nnx.Module):
@@ -177,10 +171,6 @@ class Attention(nnx.Module):
         return q_BLHD, k_BLKD, self._project(x_BLD, self.wv, self.bv)
 
 
-ACTIVATIONS = {"silu": jax.nn.silu,  # SwiGLU (Llama, Qwen)
-               "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}  # GeGLU (Gemma)
-
-
 class GatedMLP(nnx.Module):
     """The gated MLP: down(act(gate(x)) * up(x)); ``model.mlp_activation`` picks act (silu:
     SwiGLU; gelu_tanh: Gemma's GeGLU). A block holds it as ``mlp``: its weights' paths
@@ -211,7 +201,8 @@ class Block(nnx.Module):
         self.attn_norm = norm_from_config(m)
         self.attn = Attention(m, backend, dtype, rngs)
         self.mlp_norm = norm_from_config(m)
-        self.mlp = GatedMLP(m, dtype, rngs)
+        self.moe = experts_of(m) > 0  # the MLP slot holds a mixture of experts (model/moe.py)
+        self.mlp = MoE(m, dtype, rngs) if self.moe else GatedMLP(m, dtype, rngs)
         if m.get("sandwich_norms", False):
             self.attn_post_norm, self.mlp_post_norm = norm_from_config(m), norm_from_config(m)
         else:
@@ -224,12 +215,28 @@ class Block(nnx.Module):
     def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None, *, kind: LayerKind):
         """(output, (k, v)): the block, and the keys and values its attention saw
         (``Attention.attend``; ``kind``: the layer's window and RoPE)."""
+        out_BLD, kv, _ = self.attend_routed(x_BLD, positions_BL, segment_ids_BL, attention,
+                                            kind=kind)
+        return out_BLD, kv
+
+    def attend_routed(self, x_BLD, positions_BL, segment_ids_BL, attention=None, *,
+                      kind: LayerKind):
+        """(output, (k, v), router statistics): ``attend``, and a mixture of experts' router
+        statistics over the real tokens (those in a document: segment id > 0; model/moe.py
+        ``router_stats``), None for a dense MLP."""
         y_BLD, kv = self.attn.attend(self.attn_norm(x_BLD), positions_BL, segment_ids_BL,
                                      attention, kind=kind)
         if self.attn_post_norm is not None:
             y_BLD = self.attn_post_norm(y_BLD)
+        x_BLD = x_BLD + y_BLD
+        if self.moe:
+            post = self.mlp_post_norm if self.mlp_post_norm is not None else (lambda y: y)
+            real_BL = (segment_ids_BL > 0 if segment_ids_BL is not None else  # a decode step
+                       jnp.ones(x_BLD.shape[:2], bool))
+            z_BLD, stats = self.mlp(self.mlp_norm(x_BLD), real_BL)
+            return x_BLD + post(z_BLD), kv, stats
         # a decode step's one token is not split over the sequence axis: the MLP runs whole
-        return self.feed_forward(x_BLD + y_BLD, chunked=attention is None), kv
+        return self.feed_forward(x_BLD, chunked=attention is None), kv, None
 
     def feed_forward(self, x_BLD, chunked: bool = True):
         post = self.mlp_post_norm if self.mlp_post_norm is not None else (lambda y: y)

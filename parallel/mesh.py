@@ -26,6 +26,11 @@ RULES = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    # A mixture of experts' stacked weights [experts, D, F]: split by expert over the devices
+    # that split the batch and the sequence, the experts folded onto them (model/moe.py); D
+    # whole within an expert, so that the one mesh axis is not named twice.
+    "experts": ("fsdp", "sequence"),
+    "expert_embed": None,
     "norm": None,
     "layers": None,
 }

@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from model import moe
 from model.decoder import Decoder
 from model.sharded import ShardedModel
 from parallel.mesh import batch_sharding
@@ -112,10 +113,15 @@ class Trainer:
 
     def token_losses(self, params, batch):
         """Next-token cross-entropy per token ``[B, L]`` in the batch's layout, 0 where masked."""
+        return self.forward(params, batch)[0]
+
+    def forward(self, params, batch):
+        """(``token_losses``, a mixture of experts' router statistics summed over its layers,
+        or None: model/moe.py)."""
         model = nnx.merge(self.graphdef, params)
-        return model.token_losses(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                  batch["labels"], batch["loss_mask"],
-                                  chunk=self.config.train.loss_chunk)
+        return model.token_losses_routed(batch["tokens"], batch["positions"],
+                                         batch["segment_ids"], batch["labels"],
+                                         batch["loss_mask"], chunk=self.config.train.loss_chunk)
 
     def loss(self, params, batch):
         """The objective's loss (training/objective.py: the mean over trained tokens, or over
@@ -123,11 +129,23 @@ class Trainer:
         loss, counts, _ = self.loss_and_sums(params, batch)
         return loss, counts[self.objective.count_key]
 
+    def counts(self, batch) -> dict:
+        """The objective's counts of the whole batch, and a mixture of experts' count of its
+        real tokens (what the router statistics are over)."""
+        counts = self.objective.counts(batch)
+        if moe.experts_of(self.config.model):
+            counts["router_tokens"] = moe.real_tokens(batch["segment_ids"])
+        return counts
+
     def loss_and_sums(self, params, batch, counts=None):
         """(loss contribution of ``batch`` given the counts of the whole batch it belongs to
         (its own by default), those counts, the objective's sums to report)."""
-        counts = self.objective.counts(batch) if counts is None else counts
-        loss, sums = self.objective.contribution(self.token_losses(params, batch), batch, counts)
+        counts = self.counts(batch) if counts is None else counts
+        token_losses, router = self.forward(params, batch)
+        loss, sums = self.objective.contribution(token_losses, batch, counts)
+        if router is not None:  # a mixture of experts' auxiliary losses (model/moe.py)
+            extra, aux_sums = moe.step_aux(router, counts, self.config.model)
+            loss, sums = loss + extra, sums | aux_sums
         return loss, counts, sums
 
     def gradients(self, params, batch):
@@ -143,9 +161,8 @@ class Trainer:
                 loss, counts, sums = self.loss_and_sums(p, batch)
                 return loss, (counts, sums)
             (loss, (counts, sums)), grads = jax.value_and_grad(whole, has_aux=True)(params)
-            return loss, counts[key], grads, self.objective.metrics(sums, counts) | {
-                "tokens": counts["tokens"]}
-        counts = self.objective.counts(batch)
+            return loss, counts[key], grads, self._metrics(sums, counts)
+        counts = self.counts(batch)
 
         def split(x_BL):
             # Row j*k + i goes to microbatch i: each device's contiguous block of rows splits
@@ -172,8 +189,13 @@ class Trainer:
             micro_loss, params, jax.tree.map(lambda x: x[0], micro))[1])
         (loss, sums, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), sums0, zeros),
                                               micro)
-        return loss, counts[key], grads, self.objective.metrics(sums, counts) | {
-            "tokens": counts["tokens"]}
+        return loss, counts[key], grads, self._metrics(sums, counts)
+
+    def _metrics(self, sums, counts) -> dict:
+        """The objective's metrics, the step's trained tokens, a mixture of experts' (its sums
+        are already the step's values: model/moe.py ``step_aux``)."""
+        return self.objective.metrics(sums, counts) | {"tokens": counts["tokens"]} | {
+            k: sums[k] for k in moe.MOE_METRICS if k in sums}
 
     def _train_step(self, state: TrainState, batch):
         loss, _, grads, extra = self.gradients(state.params, batch)
@@ -195,6 +217,8 @@ class Trainer:
         """Sums over the batch: the loss times its count, the count, the objective's sums."""
         loss, counts, sums = self.loss_and_sums(params, batch)
         count = counts[self.objective.count_key]
+        # a mixture of experts' values are the batch's: as sums over its count, like the rest
+        sums = {k: v * count if k in moe.MOE_METRICS else v for k, v in sums.items()}
         return {"loss_sum": loss * count, "count": count, **sums}
 
 

@@ -1,0 +1,211 @@
+"""A mixture of experts in the decoder's MLP slot: a router picks ``top_k`` of ``num_experts``
+gated MLPs (SwiGLU) for each token, and the token's output is their outputs weighted by the
+router (``model.moe``; configs/base.py).
+
+Router scoring, in fp32, as each family scores it (``model.moe.router``):
+- ``softmax_topk``: softmax over every expert, then the top k, renormalised to sum 1 or not
+  (``model.moe.renormalize``: Mixtral and Qwen3-MoE's ``norm_topk_prob`` yes, OLMoE no);
+- ``topk_softmax``: the top k logits, then a softmax over those k (gpt-oss).
+
+Dropless: every token reaches its k experts and the work grows with k, not with the number of
+experts. The token-expert pairs are sorted by expert and each expert's group multiplied by its
+weights (``grouped_matmul``): ``jax.lax.ragged_dot`` where XLA has a grouped GEMM (GPU, TPU),
+and on a CPU a scan over blocks of ``GROUP_BLOCK`` rows, each group padded to whole blocks,
+which XLA runs at the matmuls' rate (ragged_dot runs 14x slower there: scripts/bench_moe.py).
+A capacity factor (``model.moe.capacity``, 0: none) drops the pairs past an expert's capacity
+in the row's order (later pairs first); the drops are counted.
+
+Each layer also returns its router statistics over the step's real tokens (``real_BL``: the
+tokens of a document, never padding): per expert, how many of its picks it got and the sum of
+its softmax probability; the sum of each token's squared log-sum-exp of the logits (the
+router z-loss's); the count of real tokens and of dropped picks. The load-balancing loss is a
+function of these sums pooled over layers and over the whole batch (model/moe.py
+``aux_losses``), so every mesh gives the same number.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.weights import ACTIVATIONS, _bias, _param
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+GROUPED = ("auto", "ragged", "blocks")
+GROUP_BLOCK = 128  # rows per block of the CPU's grouped matmul
+
+
+def experts_of(m) -> int:
+    """``model.moe.num_experts`` of model config ``m`` (0 for a config from before the field:
+    a dense MLP)."""
+    moe = m.get("moe", None)
+    return int(moe.get("num_experts", 0)) if moe is not None else 0
+
+
+def route(logits_TE, top_k: int, router: str = "softmax_topk", renormalize: bool = True):
+    """(weights [T, k], experts [T, k] int32, probabilities [T, E]) of fp32 router logits; the
+    probabilities are the softmax over every expert (the load-balancing loss's), whatever the
+    scoring."""
+    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+    if router == "softmax_topk":
+        weights_TK, experts_TK = jax.lax.top_k(probs_TE, top_k)
+        if renormalize:
+            weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+    elif router == "topk_softmax":
+        top_TK, experts_TK = jax.lax.top_k(logits_TE, top_k)
+        weights_TK = jax.nn.softmax(top_TK, axis=-1)
+    else:
+        raise ValueError(f"model.moe.router={router!r} is not one of {', '.join(ROUTERS)}")
+    return weights_TK, experts_TK.astype(jnp.int32), probs_TE
+
+
+def grouped_impl(name: str, platform: str | None = None) -> str:
+    """``auto``: ragged_dot on GPU and TPU, blocks on a CPU."""
+    if name != "auto":
+        return name
+    return "blocks" if (platform or jax.default_backend()) == "cpu" else "ragged"
+
+
+def grouped_matmul(x_ND, w_EDF, sizes_E, impl: str):
+    """Row group g of ``x_ND`` (rows sorted by group, ``sizes_E`` rows each) times ``w_EDF[g]``:
+    [N, F]."""
+    if impl == "ragged":
+        return jax.lax.ragged_dot(x_ND, w_EDF, sizes_E.astype(jnp.int32))
+    N, D = x_ND.shape
+    E, _, F = w_EDF.shape
+    b = GROUP_BLOCK
+    blocks = -(-N // b) + E  # each group padded to whole blocks: at most one more block each
+    padded_E = (sizes_E + b - 1) // b * b
+    group_N = jnp.repeat(jnp.arange(E, dtype=jnp.int32), sizes_E, total_repeat_length=N)
+    first_E = jnp.cumsum(sizes_E) - sizes_E
+    slot_N = (jnp.cumsum(padded_E) - padded_E)[group_N] + jnp.arange(N) - first_E[group_N]
+    x_PD = jnp.zeros((blocks * b, D), x_ND.dtype).at[slot_N].set(x_ND)
+    block_group = jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(blocks) * b, side="right")
+    block_group = jnp.minimum(block_group, E - 1).astype(jnp.int32)
+
+    def step(_, a):
+        x_bD, g = a
+        return None, x_bD @ jax.lax.dynamic_index_in_dim(w_EDF, g, keepdims=False)
+
+    _, y = jax.lax.scan(step, None, (x_PD.reshape(blocks, b, D), block_group))
+    return y.reshape(blocks * b, F)[slot_N]
+
+
+def experts_forward(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                    impl: str = "blocks", activation=jax.nn.silu, capacity: int = 0):
+    """(output [T, D], dropped picks): each token's k experts' gated MLPs, weighted. The pairs
+    run sorted by expert; ``capacity`` > 0 keeps each expert's first ``capacity`` pairs."""
+    T, K = experts_TK.shape
+    E = w_gate_EDF.shape[0]
+    expert_N = experts_TK.reshape(-1)
+    order_N = jnp.argsort(expert_N, stable=True)  # by expert, then by token
+    sorted_e = expert_N[order_N]
+    sizes_E = jnp.bincount(expert_N, length=E).astype(jnp.int32)
+    xs_ND = x_TD[order_N // K]
+    h_NF = (activation(grouped_matmul(xs_ND, w_gate_EDF, sizes_E, impl))
+            * grouped_matmul(xs_ND, w_up_EDF, sizes_E, impl))
+    ys_ND = grouped_matmul(h_NF, w_down_EFD, sizes_E, impl)
+    weights_N = weights_TK.reshape(-1)[order_N]
+    dropped = jnp.zeros((), jnp.int32)
+    if capacity:
+        rank_N = jnp.arange(T * K) - (jnp.cumsum(sizes_E) - sizes_E)[sorted_e]
+        kept_N = rank_N < capacity
+        dropped = jnp.sum(~kept_N).astype(jnp.int32)
+        weights_N = jnp.where(kept_N, weights_N, 0.0)
+    y_ND = jnp.zeros_like(ys_ND).at[order_N].set(ys_ND * weights_N[:, None].astype(ys_ND.dtype))
+    return y_ND.reshape(T, K, -1).sum(axis=1), dropped
+
+
+def router_stats(logits_TE, probs_TE, experts_TK, real_T, dropped) -> dict:
+    """One layer's sums over its real tokens (``real_T`` 0/1): what ``aux_losses`` pools."""
+    E = probs_TE.shape[-1]
+    picks_TE = jax.nn.one_hot(experts_TK, E, dtype=jnp.float32).sum(axis=1)
+    real = real_T.astype(jnp.float32)
+    lse_T = jax.nn.logsumexp(logits_TE, axis=-1)
+    return {"picks": jnp.einsum("te,t->e", picks_TE, real),
+            "probs": jnp.einsum("te,t->e", probs_TE, real),
+            "z": jnp.sum(lse_T * lse_T * real), "tokens": jnp.sum(real),
+            "dropped": dropped.astype(jnp.float32)}
+
+
+def aux_losses(stats: dict, num_experts: int, top_k: int) -> dict:
+    """The load-balancing loss (transformers' ``load_balancing_loss_func``: the Switch
+    Transformer's loss pooled over layers, padding excluded) and the router z-loss, from router
+    statistics summed over layers (and tokens): ``E * sum_e f_e P_e``, ``f_e`` each expert's
+    share of the real tokens' picks per token (summing to k), ``P_e`` its mean probability; the
+    z-loss the mean squared log-sum-exp. Also the load (the busiest expert's picks over the
+    mean) and the fraction of picks dropped."""
+    n = jnp.maximum(stats["tokens"], 1.0)
+    balance = num_experts * jnp.sum((stats["picks"] / n) * (stats["probs"] / n))
+    picks = jnp.maximum(jnp.sum(stats["picks"]), 1.0)
+    return {"aux_loss": balance, "z_loss": stats["z"] / n,
+            "expert_load": jnp.max(stats["picks"]) * num_experts / picks,
+            "dropped_fraction": stats["dropped"] / (n * top_k)}
+
+
+class MoE(nnx.Module):
+    """The MLP slot of a block as a mixture of experts (``model.moe``): ``router`` [D, E]
+    (``router_bias`` [E] where the family has one) and the experts' stacked SwiGLU weights
+    ``w_gate``, ``w_up`` [E, D, F] and ``w_down`` [E, F, D]."""
+
+    def __init__(self, m, dtype, rngs: nnx.Rngs):
+        e = m.moe
+        E, F, D = int(e.num_experts), int(e.expert_dim or m.ffn_dim), m.d_model
+        std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
+        self.router = _param(rngs, (D, E), ("embed", None), std)
+        self.router_bias = _bias((E,), (None,)) if e.get("router_bias", False) else None
+        self.w_gate = _param(rngs, (E, D, F), ("experts", "expert_embed", "mlp"), std)
+        self.w_up = _param(rngs, (E, D, F), ("experts", "expert_embed", "mlp"), std)
+        self.w_down = _param(rngs, (E, F, D), ("experts", "mlp", "expert_embed"), out_std)
+        self.dtype, self.num_experts, self.top_k = dtype, E, int(e.top_k)
+        self.router_kind, self.renormalize = str(e.router), bool(e.renormalize)
+        self.activation = ACTIVATIONS[str(m.get("mlp_activation", "silu"))]
+        self.impl = grouped_impl(str(e.get("grouped", "auto")))
+        self.capacity_factor = float(e.get("capacity", 0.0) or 0.0)
+
+    def logits(self, x_TD):
+        """fp32 router logits [T, E]."""
+        logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.router[...])
+        return logits if self.router_bias is None else logits + self.router_bias[...]
+
+    def __call__(self, x_BLD, real_BL):
+        """(output [B, L, D], this layer's router statistics over ``real_BL``'s tokens)."""
+        B, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(B * L, D)
+        logits_TE = self.logits(x_TD)
+        weights_TK, experts_TK, probs_TE = route(logits_TE, self.top_k, self.router_kind,
+                                                 self.renormalize)
+        capacity = (math.ceil(self.capacity_factor * B * L * self.top_k / self.num_experts)
+                    if self.capacity_factor else 0)
+        c = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        y_TD, dropped = experts_forward(x_TD, weights_TK, experts_TK, c(self.w_gate),
+                                        c(self.w_up), c(self.w_down), impl=self.impl,
+                                        activation=self.activation, capacity=capacity)
+        stats = router_stats(logits_TE, probs_TE, experts_TK, real_BL.reshape(-1), dropped)
+        return y_TD.reshape(B, L, D).astype(x_BLD.dtype), stats
+
+
+MOE_METRICS = ("aux_loss", "z_loss", "expert_load", "dropped_fraction")
+
+
+def real_tokens(segment_ids_BL):
+    """The batch's real tokens (in a document: segment id > 0), at least 1: what the router
+    statistics of a whole step are over."""
+    return jnp.maximum(jnp.sum(segment_ids_BL > 0).astype(jnp.float32), 1.0)
+
+
+def step_aux(stats: dict, counts: dict, m) -> tuple:
+    """(what a (micro)batch adds to the loss, its metrics' shares) from its router statistics
+    summed over layers: ``aux_losses`` of the (micro)batch's own statistics, weighted by its
+    share of the whole batch's real tokens (``counts["router_tokens"]``). One batch: exactly
+    transformers' loss on it. With microbatches: the token-weighted mean of each microbatch's
+    loss (the Switch loss is a product of two means, so the whole batch's is not a sum of the
+    microbatches'; docs/moe.md); the metrics are the same weighted means."""
+    e = m.moe
+    layers = int(m.num_layers)
+    losses = aux_losses(stats, int(e.num_experts), int(e.top_k))
+    share = stats["tokens"] / layers / counts["router_tokens"]
+    extra = share * (float(e.aux_loss) * losses["aux_loss"] + float(e.z_loss) * losses["z_loss"])
+    return extra, {k: share * losses[k] for k in MOE_METRICS}
