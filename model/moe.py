@@ -33,7 +33,7 @@ from flax import nnx
 from model.weights import ACTIVATIONS, _bias, _param
 
 ROUTERS = ("softmax_topk", "topk_softmax")
-GROUPED = ("auto", "ragged", "blocks")
+GROUPED = ("auto", "ragged", "blocks", "dense")  # dense: every expert on every token (a yardstick)
 GROUP_BLOCK = 128  # rows per block of the CPU's grouped matmul
 
 
@@ -99,6 +99,16 @@ def experts_forward(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_E
     run sorted by expert; ``capacity`` > 0 keeps each expert's first ``capacity`` pairs."""
     T, K = experts_TK.shape
     E = w_gate_EDF.shape[0]
+    if impl == "dense":  # every expert on every token, the unpicked ones weighted 0
+        if capacity:
+            raise ValueError("model.moe.grouped=dense computes every expert: no capacity")
+        gate_TEF = jnp.einsum("td,edf->tef", x_TD, w_gate_EDF)
+        h_TEF = activation(gate_TEF) * jnp.einsum("td,edf->tef", x_TD, w_up_EDF)
+        mix_TE = jnp.einsum("tk,tke->te", weights_TK,
+                            jax.nn.one_hot(experts_TK, E, dtype=weights_TK.dtype))
+        y_TD = jnp.einsum("tef,efd->td", h_TEF * mix_TE[:, :, None].astype(h_TEF.dtype),
+                          w_down_EFD)
+        return y_TD, jnp.zeros((), jnp.int32)
     expert_N = experts_TK.reshape(-1)
     order_N = jnp.argsort(expert_N, stable=True)  # by expert, then by token
     sorted_e = expert_N[order_N]
