@@ -1,6 +1,6 @@
 """A Hugging Face ``config.json`` to and from this project's model config: LLaMA, Mistral, Qwen2,
-Qwen3, Gemma 3 (``Gemma3ForCausalLM``, and the language model of ``Gemma3ForConditionalGeneration``)
-and SmolLM3.
+Qwen3, Gemma 3 (``Gemma3ForCausalLM``, and the language model of
+``Gemma3ForConditionalGeneration``), SmolLM3, and the mixtures of experts Mixtral and Qwen3-MoE.
 
 Every family is the LLaMA block with some of the model's switches on:
 - Qwen2: biases on q, k and v (``model.qkv_bias``).
@@ -18,6 +18,15 @@ Every family is the LLaMA block with some of the model's switches on:
 - SmolLM3: NoPE layers (``no_rope_layers``, by default every 4th), and with
   ``use_sliding_window`` a window on the layers transformers' ``layer_types`` rule gives.
 - Mistral: one sliding window on every layer.
+- Mixtral (Mistral's attention) and Qwen3-MoE (Qwen3's, its window on every layer with
+  ``use_sliding_window``): a mixture of experts in every layer's MLP slot (``model.moe``):
+  ``num_local_experts`` (Qwen3-MoE's released files: ``num_experts``) -> ``num_experts``,
+  ``num_experts_per_tok`` -> ``top_k``, Mixtral's ``intermediate_size`` / Qwen3-MoE's
+  ``moe_intermediate_size`` -> ``expert_dim``, softmax then top k renormalised (Mixtral always,
+  Qwen3-MoE by ``norm_topk_prob``), ``router_aux_loss_coef`` -> ``aux_loss`` (no z-loss, no
+  capacity: transformers' is dropless). Qwen3-MoE's dense layers (``decoder_sparse_step`` other
+  than 1, ``mlp_only_layers``) do not convert; OLMoE's q/k norms over the whole projection do
+  not either (``REFUSED``).
 Each layer's kind becomes ``model.layer_types`` (full | sliding | full_nope | sliding_nope; empty
 when every layer is alike) and ``model.sliding_window`` (a query at p sees keys p - W < k <= p,
 transformers' convention); the window and the kinds are read as transformers builds the model
@@ -29,7 +38,8 @@ RoPE arrives as ``rope_theta`` + ``rope_scaling`` (released checkpoints, transfo
 (the sliding layers', unscaled, when it differs). Defaults a config leaves out are transformers'
 (``DEFAULTS``: released Gemma 3 text configs list only what differs).
 
-Export writes the architecture the model's fields need (``architecture``): Gemma's fields ->
+Export writes the architecture the model's fields need (``architecture``): a mixture of experts
+-> Qwen3MoeForCausalLM with q/k norms, else MixtralForCausalLM; Gemma's fields ->
 Gemma3ForCausalLM, NoPE layers (or windows on some layers only, without biases or q/k norms) ->
 SmolLM3ForCausalLM, q/k norms -> Qwen3ForCausalLM, q/k/v biases -> Qwen2ForCausalLM, a window on
 every layer -> MistralForCausalLM, else LlamaForCausalLM; a combination none of them has stops in
@@ -49,15 +59,22 @@ from errors import ConversionError
 # model_type -> the architecture of it that converts.
 CONVERTS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+            "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Multimodal model_type -> (its architecture, the model_type of its language model): the
 # language model (config.json's text_config) converts, the rest is left out.
 MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
 ARCHITECTURES = tuple(CONVERTS.values()) + tuple(a for a, _ in MULTIMODAL.values())
 MODEL_TYPES = tuple(CONVERTS)
 QKV_BIAS = ("qwen2",)  # model types with biases on q, k and v (and none on o)
-QK_NORM = ("qwen3", "gemma3_text")  # model types with an RMSNorm on each head of q and k
+QK_NORM = ("qwen3", "gemma3_text", "qwen3_moe")  # an RMSNorm on each head of q and of k
 GEMMA = ("gemma3_text",)  # 1 + w norms, sandwich norms, scaled embeddings, its own softmax scale
+# Mixtures of experts in every layer's MLP slot (model.moe) -> (the key of each expert's hidden
+# width, whether the top k weights are renormalised: a bool, or the key saying so)
+MOE = {"mixtral": ("intermediate_size", True), "qwen3_moe": ("moe_intermediate_size",
+                                                             "norm_topk_prob")}
+# Model types whose one sliding_window (if any) applies to every layer
+EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe")
 
 # transformers 5.23's defaults (its config classes') for the keys read here, where released
 # config.json files leave them out. LLaMA, Mistral and Qwen2 files list what is needed.
@@ -79,7 +96,23 @@ DEFAULTS = {
                     "tie_word_embeddings": True, "sliding_window": 4096,
                     "query_pre_attn_scalar": 256, "rope_theta": 1000000.0,
                     "rope_local_base_freq": 10000.0},
+    "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False, "sliding_window": None, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+                "rope_theta": 1000000.0},
+    "qwen3_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                  "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                  "tie_word_embeddings": False, "use_sliding_window": False,
+                  "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+                  "num_experts_per_tok": 8, "norm_topk_prob": False,
+                  "router_aux_loss_coef": 0.001, "mlp_only_layers": [], "rope_theta": 10000.0},
 }
+# The expert count's default where a config names none (its key is read in either spelling:
+# num_local_experts, as transformers 5.23 writes it, or num_experts: ``_num_experts``)
+DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128}
 
 # Known decoders that do not convert, model_type -> (name, what it has that this model has not).
 REFUSED = {
@@ -93,9 +126,10 @@ REFUSED = {
     "gemma4_text": ("Gemma 4", "per-layer input embeddings, a wider head and partial "
                                "(proportional) RoPE on the global layers, keys and values "
                                "shared across layers"),
-    "mixtral": ("Mixtral", "a mixture-of-experts MLP (num_local_experts)"),
     "qwen2_moe": ("Qwen2-MoE", "a mixture-of-experts MLP (num_experts) with a gated shared expert"),
-    "qwen3_moe": ("Qwen3-MoE", "a mixture-of-experts MLP (num_experts)"),
+    "olmoe": ("OLMoE", "RMSNorm over the whole of q and of k (q_norm over hidden_size, k_norm "
+                       "over kv heads x head_dim), where model.qk_norm normalises each head "
+                       "alone (its mixture of experts alone would convert)"),
     "qwen3_next": ("Qwen3-Next", "linear attention (Gated DeltaNet) layers, gated attention, "
                                  "a mixture-of-experts MLP"),
     "qwen3_5": ("Qwen3.5", "linear attention (Gated DeltaNet) layers, gated attention, partial "
@@ -179,7 +213,7 @@ def _refuse(cfg: dict):
         name, features = REFUSED[kind]
         raise ConversionError(f"config.json: {name} (model_type={kind!r}) does not convert: "
                               f"{features}; {_supported()}")
-    for key in MOE_KEYS:
+    for key in MOE_KEYS if kind not in MOE else ():
         if cfg.get(key):
             raise ConversionError(f"config.json: {key}={cfg[key]}: a mixture-of-experts MLP "
                                   f"does not convert ({arch}); {_supported()}")
@@ -218,7 +252,7 @@ def _window(cfg: dict) -> int | None:
     """The window transformers applies to sliding layers (None: none), checked."""
     kind = cfg.get("model_type")
     window = cfg.get("sliding_window")
-    if kind == "llama" or (kind in ("qwen2", "qwen3", "smollm3")
+    if kind == "llama" or (kind in ("qwen2", "qwen3", "smollm3", "qwen3_moe")
                            and not cfg.get("use_sliding_window")):
         window = None  # LlamaForCausalLM never reads it; the others drop it when false
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
@@ -246,15 +280,17 @@ def _hf_layer_types(cfg: dict, window, rope: list[bool]) -> list[str]:
     """Each layer's kind (FULL / SLIDING) as transformers builds the model from this config."""
     kind, n = cfg.get("model_type"), int(cfg.get("num_hidden_layers") or 0)
     given = cfg.get("layer_types")
-    if kind == "mistral":
-        # MistralForCausalLM ignores layer_types (every layer reads config.sliding_window); a
-        # list of mixed kinds is another model's (Ministral's alternating layers): refused.
+    if kind in EVERY_LAYER_SLIDES:
+        # MistralForCausalLM (and Mixtral, Qwen3-MoE) ignore layer_types (every layer reads
+        # config.sliding_window); a list of mixed kinds is another model's (Ministral's
+        # alternating layers): refused.
         if given and len(set(given)) > 1:
             raise ConversionError(
-                f"config.json: model_type 'mistral' with layer_types mixing {FULL!r} and "
-                f"{SLIDING!r}: MistralForCausalLM slides every layer by sliding_window="
-                f"{window} and ignores layer_types (Ministral's alternation is model_type "
-                f"'ministral'); a file saying both is ambiguous")
+                f"config.json: model_type {kind!r} with layer_types mixing {FULL!r} and "
+                f"{SLIDING!r}: {CONVERTS[kind]} slides every layer by sliding_window="
+                f"{window} and ignores layer_types"
+                + (" (Ministral's alternation is model_type 'ministral')"
+                   if kind == "mistral" else "") + "; a file saying both is ambiguous")
         return [SLIDING if window else FULL] * n
     if given:
         if len(given) != n:
@@ -411,6 +447,73 @@ def _yarn_attention_factor(p: dict, factor: float) -> float | None:
     return get(factor, mscale) / get(factor, all_dim)
 
 
+def _num_experts(cfg: dict) -> tuple[str, object]:
+    """(the key, the expert count) of a mixture-of-experts config: ``num_local_experts`` (as
+    transformers 5.23 writes both families) or ``num_experts`` (released Qwen3-MoE files; the
+    two are one attribute in transformers 5.23's config classes)."""
+    for key in ("num_local_experts", "num_experts"):
+        if cfg.get(key) is not None:
+            return key, cfg[key]
+    return "num_local_experts", DEFAULT_EXPERTS[cfg["model_type"]]
+
+
+def moe_fields(cfg: dict) -> dict:
+    """``config.model.moe``'s fields for a config read by ``read``: the router and experts of a
+    mixture-of-experts family (``MOE``), every field it may set; ``num_experts`` 0 (the dense
+    MLP) for the others."""
+    kind = cfg.get("model_type")
+    if kind not in MOE:
+        return {"num_experts": 0}
+    key, experts = _num_experts(cfg)
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if not whole(experts) or experts < 1:
+        raise ConversionError(f"config.json: {key}={experts!r}; a mixture of experts needs a "
+                              f"whole number of experts >= 1")
+    top_k = cfg.get("num_experts_per_tok")
+    if not whole(top_k) or not 1 <= top_k <= experts:
+        raise ConversionError(f"config.json: num_experts_per_tok={top_k!r}; it must be a whole "
+                              f"number from 1 to {key}={experts}")
+    if kind == "qwen3_moe":  # Qwen3MoeDecoderLayer: a dense MLP where these say so
+        n = int(cfg.get("num_hidden_layers") or 0)
+        step = cfg.get("decoder_sparse_step", 1)
+        if step != 1:
+            raise ConversionError(
+                f"config.json: decoder_sparse_step={step!r}: only a mixture of experts in every "
+                f"layer converts (model.moe); Qwen3MoeForCausalLM gives the other layers a "
+                f"dense MLP")
+        only = cfg.get("mlp_only_layers") or []
+        if any(isinstance(i, int) and 0 <= i < n for i in only):
+            raise ConversionError(
+                f"config.json: mlp_only_layers={only!r}: only a mixture of experts in every "
+                f"layer converts (model.moe); Qwen3MoeForCausalLM gives those layers a dense MLP")
+    width_key, renormalize = MOE[kind]
+    try:
+        width = int(cfg[width_key])
+    except KeyError:
+        raise ConversionError(f"config.json lacks {width_key!r}, which a {CONVERTS[kind]} "
+                              f"config has") from None
+    return {"num_experts": int(experts), "top_k": int(top_k), "expert_dim": width,
+            "router": "softmax_topk",
+            "renormalize": (renormalize if isinstance(renormalize, bool)
+                            else bool(cfg.get(renormalize))),
+            "router_bias": False,
+            "aux_loss": float(cfg.get("router_aux_loss_coef") or 0.0),
+            "z_loss": 0.0, "capacity": 0.0}
+
+
+def left_out(cfg: dict) -> list[str]:
+    """What a config that converts says that the import leaves out, a line each: Mixtral's
+    ``router_jitter_noise`` (transformers multiplies the router's input by noise while training;
+    the router here takes none; the model is the same)."""
+    cfg = read(cfg)
+    jitter = cfg.get("router_jitter_noise") if cfg.get("model_type") in MOE else None
+    if jitter:
+        return [f"config.json: router_jitter_noise={jitter} is left out: transformers multiplies "
+                f"the router's input by noise in training, the router here takes none (the "
+                f"model is the same)"]
+    return []
+
+
 def model_fields(cfg: dict) -> dict:
     """The ``config.model`` fields an HF config of a family that converts sets (every field a
     family may set, so that the ``--config`` file's own values never leak into an import)."""
@@ -441,6 +544,7 @@ def model_fields(cfg: dict) -> dict:
         final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0)
     fields.update(rope_from_hf(cfg, fields["layer_types"] or
                                ("sliding" if fields["sliding_window"] else "full")))
+    fields["moe"] = moe_fields(cfg)
     return fields
 
 
@@ -454,11 +558,53 @@ WRITTEN = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_fre
            "_sliding_window_pattern", "no_rope_layers", "no_rope_layer_interval",
            "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
            "use_bidirectional_attention", "hidden_act", "hidden_activation", "attention_bias",
-           "mlp_bias", "head_dim")
+           "mlp_bias", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+           "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
+           "router_jitter_noise", "decoder_sparse_step", "mlp_only_layers",
+           "output_router_logits", "n_routed_experts", "moe_num_experts")
+
+
+def _experts(m) -> int:
+    """``model.moe.num_experts`` (0: the dense MLP; a config from before the field is dense)."""
+    moe = m.get("moe", None)
+    return int(moe.get("num_experts", 0) or 0) if moe is not None else 0
+
+
+def _renormalized(m) -> bool:
+    """Whether the router's top k weights sum to 1: ``renormalize``, or ``topk_softmax`` (a
+    softmax over the top k logits is the top k of the softmax renormalised: the same
+    weights)."""
+    return str(m.moe.get("router", "softmax_topk")) == "topk_softmax" or bool(m.moe.renormalize)
+
+
+def _moe_architecture(m, gemma: list, nope: bool, sliding: list) -> str:
+    """qwen3_moe (q/k norms) or mixtral for a mixture of experts ``m``, or one line saying what
+    neither has."""
+    on = lambda f: bool(m.get(f, False))  # noqa: E731
+    what = ([f"model.{f}" for f in gemma] + (["NoPE layers"] if nope else [])
+            + (["model.qkv_bias"] if on("qkv_bias") else [])
+            + (["model.moe.router_bias"] if m.moe.get("router_bias", False) else [])
+            + (["sliding and full layers mixed (model.layer_types)"]
+               if any(sliding) and not all(sliding) else []))
+    if what:
+        raise ConversionError(
+            f"model.moe.num_experts={_experts(m)} with {', '.join(what)}: no Hugging Face "
+            f"architecture has this combination (MixtralForCausalLM and Qwen3MoeForCausalLM: "
+            f"LLaMA's block with q/k norms or none, a window on every layer or none, a router "
+            f"without a bias)")
+    if on("qk_norm"):
+        return "qwen3_moe"
+    if not _renormalized(m):
+        raise ConversionError(
+            "model.moe.renormalize=False without model.qk_norm: no Hugging Face architecture "
+            "has this combination (MixtralForCausalLM always renormalises the top k weights; "
+            "Qwen3MoeForCausalLM, whose norm_topk_prob may leave them, has q/k norms)")
+    return "mixtral"
 
 
 def architecture(m) -> str:
-    """The model_type an export of model config ``m`` writes: Gemma's fields -> gemma3_text,
+    """The model_type an export of model config ``m`` writes: a mixture of experts -> qwen3_moe
+    with q/k norms, else mixtral; Gemma's fields -> gemma3_text,
     NoPE layers -> smollm3, q/k norms -> qwen3, q/k/v biases -> qwen2, a window on every layer
     -> mistral, on some layers -> smollm3 (per-layer windows, RoPE on each), else llama. A
     combination no Hugging Face architecture has is one line naming it."""
@@ -478,6 +624,8 @@ def architecture(m) -> str:
         gemma.append("local_rope_theta")  # a RoPE of their own on the sliding layers
     nope = any(k.endswith("_nope") for k in names)
     sliding = [k.startswith("sliding") for k in names]
+    if _experts(m):
+        return _moe_architecture(m, gemma, nope, sliding)
     if gemma:
         missing = [f for f in GEMMA_BLOCK if not on(f)]
         extra = (["qkv_bias"] if on("qkv_bias") else []) + (["NoPE layers"] if nope else [])
@@ -595,27 +743,43 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
             out["sliding_window_pattern"] = every[0]
     else:
         out.update(rope_theta=theta, rope_scaling=scaling)
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
         # their own switch; without a sliding layer sliding_window and max_window_layers stay
-        # as imported (unused). With some, layer_types says which, and max_window_layers too
-        # where they are the last ones (as transformers 4 reads it).
+        # as imported (unused). With some, layer_types says which (Qwen3-MoE: every layer
+        # slides), and max_window_layers too where they are the last ones (as transformers 4
+        # reads it).
         out["use_sliding_window"] = bool(sliding)
         if sliding:
             suffix = sliding == list(range(sliding[0], len(types)))
             out.update(sliding_window=window, layer_types=types,
                        max_window_layers=sliding[0] if suffix else len(types))
+            if kind == "qwen3_moe":  # its config has no layer_types
+                del out["layer_types"]
         elif same_family:
             for key in ("sliding_window", "max_window_layers"):
                 if key in base:
                     out[key] = base[key]
-    elif kind == "mistral":
-        out["sliding_window"] = window
+    elif kind in ("mistral", "mixtral"):
+        out["sliding_window"] = window if sliding else None
     elif kind == "smollm3":
         out.update(no_rope_layers=[0 if k.endswith("_nope") else 1 for k in names],
                    use_sliding_window=bool(sliding), sliding_window=window if sliding else None,
                    layer_types=types)
-    if kind in ("llama", "qwen3", "smollm3"):  # their configs' own fields
+    if kind in ("llama", "qwen3", "smollm3", "qwen3_moe"):  # their configs' own fields
         out["attention_bias"] = False
+    if kind in MOE:
+        e = m.moe
+        width = int(e.get("expert_dim", 0) or m.ffn_dim)
+        out.update(num_experts_per_tok=int(e.top_k), router_aux_loss_coef=float(e.aux_loss),
+                   output_router_logits=False)
+        if kind == "mixtral":  # always renormalised; each expert's width is intermediate_size
+            jitter = base.get("router_jitter_noise", 0.0) if same_family else 0.0
+            out.update(num_local_experts=int(e.num_experts), intermediate_size=width,
+                       router_jitter_noise=float(jitter or 0.0))
+        else:  # num_experts: the key every transformers version reads (5.23 writes the other)
+            out.update(num_experts=int(e.num_experts), moe_intermediate_size=width,
+                       norm_topk_prob=_renormalized(m), decoder_sparse_step=1,
+                       mlp_only_layers=[])
     if kind in ("llama", "smollm3"):
         out["mlp_bias"] = False
     if bos is not None:

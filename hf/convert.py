@@ -139,6 +139,8 @@ def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out:
         cap = (cfg.get("text_config") or {}).get("final_logit_softcapping")
         log(left_out + (f"; its text_config's final_logit_softcapping={cap} is left out too, as "
                         f"{arch} never applies it" if cap else ""))
+    for line in hf_config.left_out(cfg):
+        log(line)
     config.data.tokenizer = str(out / "tokenizer.json")
     max_pos = hf_config.read(cfg).get("max_position_embeddings")
     if not any(o.startswith("data.seq_len=") for o in overrides) and max_pos:
@@ -164,6 +166,9 @@ def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out:
         + (", tied embeddings" if m.tie_embeddings else "")
         + (", q/k/v biases" if m.get("qkv_bias", False) else "")
         + (", q/k norms" if m.get("qk_norm", False) else "")
+        + (f", {m.moe.num_experts} experts of width {m.moe.expert_dim}, top {m.moe.top_k}"
+           f"{' renormalised' if m.moe.renormalize else ''}, aux_loss {m.moe.aux_loss:g}"
+           if m.get("moe", None) is not None and m.moe.num_experts else "")
         + (", Gemma's block (1 + w norms, sandwich norms, scaled embeddings)"
            if m.get("sandwich_norms", False) else "")
         + (f", final logit soft-cap {m.final_logit_softcap:g}"
@@ -210,8 +215,9 @@ def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str =
               step: int | None = None, max_shard_gb: float = 5.0,
               log: Callable[[str], None] = print) -> pathlib.Path:
     """Writes an HF directory at ``out`` from a run's checkpoint, of the architecture its model
-    fields need (hf/config.py ``architecture``: LLaMA, Mistral, Qwen2, Qwen3, Gemma 3 or
-    SmolLM3; a combination none of them has is one line, before anything is read)."""
+    fields need (hf/config.py ``architecture``: LLaMA, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM3,
+    Mixtral or Qwen3-MoE; a combination none of them has is one line, before anything is
+    read)."""
     import jax
     import ml_dtypes
 

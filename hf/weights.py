@@ -1,5 +1,6 @@
-"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 tensor names and shapes to
-this model's parameter tree, and back (Mistral's and SmolLM3's names are LLaMA's).
+"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 / Mixtral / Qwen3-MoE tensor
+names and shapes to this model's parameter tree, and back (Mistral's and SmolLM3's names are
+LLaMA's; Mixtral's and Qwen3-MoE's attention is Mistral's and Qwen3's).
 
 HF stores each projection as ``[out, in]`` per layer; here the layers are stacked on a leading
 axis (lax.scan) and projections are ``[in, ...out]`` with heads split out:
@@ -14,6 +15,17 @@ mlp_post_norm (in LLaMA post_attention_layernorm is the MLP's pre-norm, mlp_norm
 store w of the 1 + w they scale by, as ``model.norm_unit_offset`` does here: copied as they are.
 A multimodal checkpoint (Gemma3ForConditionalGeneration) is read through ``language_model``: its
 language model's tensors under the decoder's names, the rest left out and named.
+
+A mixture of experts (``model.moe``: Mixtral, Qwen3-MoE) holds in the MLP slot ``router [L, D, E]``
+(HF's ``gate.weight [E, D]``, transposed) and ``w_gate``, ``w_up [L, E, D, F]``, ``w_down
+[L, E, F, D]``. Released checkpoints, and transformers 5.23's ``save_pretrained`` by default,
+hold one tensor per expert: Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (gate, up,
+down) and ``block_sparse_moe.gate.weight``, Qwen3-MoE (and OLMoE)
+``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` and ``mlp.gate.weight``. transformers 5's
+modules fuse them, and ``save_pretrained(save_original_format=False)`` writes them so (both
+families under ``mlp.``): ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows) and
+``mlp.experts.down_proj [E, D, F]``. Import reads any of these (``moe_layout`` finds which);
+export writes the family's released per-expert names.
 """
 from __future__ import annotations
 
@@ -58,6 +70,11 @@ BIASES = (
     (("attn", "bk"), "self_attn.k_proj.bias", "bias_kv_heads"),
     (("attn", "bv"), "self_attn.v_proj.bias", "bias_kv_heads"),
 )
+# model.moe's tensors, by layout (``moe_layout``): the MLP slot's prefix within a layer, and the
+# per-expert names of (gate, up, down), or None for transformers 5's fused experts.
+MOE_LAYOUTS = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+               "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+               "fused": ("mlp.", None)}
 # Buffers some checkpoints carry that hold no parameter (RoPE tables are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Where a multimodal checkpoint keeps its language model: (prefix of the decoder's "model."
@@ -72,8 +89,10 @@ OTHER_PARTS = {"vision_tower": "the vision tower", "multi_modal_projector": "the
 
 
 def _block(m):
-    """(our path, HF name, kind) of every per-layer tensor of model config ``m``."""
-    return (ATTENTION + MLP + (SANDWICH_NORMS if m.get("sandwich_norms", False) else NORMS)
+    """(our path, HF name, kind) of every per-layer tensor of model config ``m`` (a mixture of
+    experts' MLP slot apart: ``_moe_shapes``)."""
+    return (ATTENTION + (() if _experts(m) else MLP)
+            + (SANDWICH_NORMS if m.get("sandwich_norms", False) else NORMS)
             + (QK_NORMS if m.get("qk_norm", False) else ())
             + (BIASES if m.get("qkv_bias", False) else ()))
 
@@ -103,8 +122,80 @@ def _to_hf(w, kind: str):
     return w.T if kind == "t" else w
 
 
-def _expected(m) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of model config ``m`` with its shape."""
+def _experts(m) -> int:
+    moe = m.get("moe", None)
+    return int(moe.get("num_experts", 0) or 0) if moe is not None else 0
+
+
+def moe_layout(m, tensors=None) -> str | None:
+    """Which of ``MOE_LAYOUTS`` a mixture of experts ``m`` reads from ``tensors`` (the first
+    layer's names say) or writes (``tensors`` None: the family's released names, Qwen3-MoE's
+    with q/k norms, else Mixtral's, as hf/config.py ``architecture`` picks); None for a dense
+    model."""
+    if not _experts(m):
+        return None
+    family = "qwen3_moe" if m.get("qk_norm", False) else "mixtral"
+    if tensors is None:
+        return family
+    first = LAYER.format(i=0)
+    for layout, (prefix, names) in MOE_LAYOUTS.items():
+        probe = prefix + ("experts.gate_up_proj" if names is None
+                          else f"experts.0.{names[0]}.weight")
+        if first + probe in tensors:
+            return layout
+    return family  # check_names says what is missing
+
+
+def _moe_shapes(m, layout: str) -> dict[str, tuple[int, ...]]:
+    """The HF names within a layer of a mixture of experts in ``layout``, with their shapes."""
+    E, d = _experts(m), m.d_model
+    f = int(m.moe.get("expert_dim", 0) or m.ffn_dim)
+    prefix, names = MOE_LAYOUTS[layout]
+    out = {prefix + "gate.weight": (E, d)}
+    if names is None:
+        out.update({prefix + "experts.gate_up_proj": (E, 2 * f, d),
+                    prefix + "experts.down_proj": (E, d, f)})
+        return out
+    gate, up, down = names
+    for e in range(E):
+        out.update({f"{prefix}experts.{e}.{gate}.weight": (f, d),
+                    f"{prefix}experts.{e}.{up}.weight": (f, d),
+                    f"{prefix}experts.{e}.{down}.weight": (d, f)})
+    return out
+
+
+def _moe_to_ours(tensors, m, layout: str, i: int) -> dict[str, np.ndarray]:
+    """Layer ``i``'s router and experts as this model holds them (one layer of
+    ``blocks/mlp``)."""
+    at = LAYER.format(i=i) + MOE_LAYOUTS[layout][0]
+    names = MOE_LAYOUTS[layout][1]
+    out = {"router": np.asarray(tensors[at + "gate.weight"]).T}
+    if names is None:
+        gate_up = np.asarray(tensors[at + "experts.gate_up_proj"])  # [E, 2F, D]
+        f = gate_up.shape[1] // 2
+        out.update(w_gate=gate_up[:, :f].transpose(0, 2, 1), w_up=gate_up[:, f:].transpose(0, 2, 1),
+                   w_down=np.asarray(tensors[at + "experts.down_proj"]).transpose(0, 2, 1))
+        return out
+    for ours, name in zip(("w_gate", "w_up", "w_down"), names):
+        out[ours] = np.stack([np.asarray(tensors[f"{at}experts.{e}.{name}.weight"]).T
+                              for e in range(_experts(m))])
+    return out
+
+
+def _moe_to_hf(mlp: dict, m, i: int) -> dict[str, np.ndarray]:
+    """Layer ``i``'s router and experts under the family's released names."""
+    prefix, names = MOE_LAYOUTS[moe_layout(m)]
+    at = LAYER.format(i=i) + prefix
+    out = {at + "gate.weight": np.asarray(mlp["router"][i]).T}
+    for e in range(_experts(m)):
+        for ours, name in zip(("w_gate", "w_up", "w_down"), names):
+            out[f"{at}experts.{e}.{name}.weight"] = np.asarray(mlp[ours][i][e]).T
+    return out
+
+
+def _expected(m, layout: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of model config ``m`` with its shape (a mixture of experts' in
+    ``layout``, by default the family's released names)."""
     hd, d, f = head_dim(m), m.d_model, m.ffn_dim
     shapes = {"in_heads": (m.num_heads * hd, d), "in_kv_heads": (m.num_kv_heads * hd, d),
               "out_heads": (d, m.num_heads * hd), "vector": (d,), "head_vector": (hd,),
@@ -112,6 +203,8 @@ def _expected(m) -> dict[str, tuple[int, ...]]:
     mlp = {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
            "mlp.down_proj.weight": (d, f)}
     per_layer = {name: mlp[name] if kind == "t" else shapes[kind] for _, name, kind in _block(m)}
+    if _experts(m):
+        per_layer.update(_moe_shapes(m, layout or moe_layout(m)))
     out = {"model.embed_tokens.weight": (m.vocab_size, d), "model.norm.weight": (d,)}
     if not m.get("tie_embeddings", False):
         out["lm_head.weight"] = (m.vocab_size, d)
@@ -122,7 +215,7 @@ def _expected(m) -> dict[str, tuple[int, ...]]:
 
 def check_names(tensors, m):
     """Every tensor the model needs is there with its shape, and nothing it cannot hold."""
-    expected = _expected(m)
+    expected = _expected(m, moe_layout(m, tensors))
     for name, shape in expected.items():
         if name not in tensors:
             raise ConversionError(f"the checkpoint has no tensor {name}, which this config needs")
@@ -206,6 +299,10 @@ def params_from_hf(tensors, m, dtype=None) -> dict:
         layers = [_to_ours(tensors[LAYER.format(i=i) + hf_name], kind, m)
                   for i in range(m.num_layers)]
         _set(blocks, path, cast(np.stack(layers)))
+    if _experts(m):
+        layout = moe_layout(m, tensors)
+        layers = [_moe_to_ours(tensors, m, layout, i) for i in range(m.num_layers)]
+        blocks["mlp"] = {k: cast(np.stack([layer[k] for layer in layers])) for k in layers[0]}
     params = {"blocks": blocks, "embed": cast(np.asarray(tensors["model.embed_tokens.weight"])),
               "final_norm": {"scale": cast(np.asarray(tensors["model.norm.weight"]))}}
     if not m.get("tie_embeddings", False):
@@ -219,6 +316,8 @@ def hf_from_params(params: dict, m, dtype) -> dict[str, np.ndarray]:
     for i in range(m.num_layers):
         for path, hf_name, kind in _block(m):
             out[LAYER.format(i=i) + hf_name] = _to_hf(_get(params["blocks"], path)[i], kind)
+        if _experts(m):
+            out.update(_moe_to_hf(params["blocks"]["mlp"], m, i))
     out["model.norm.weight"] = params["final_norm"]["scale"]
     if not m.get("tie_embeddings", False):
         out["lm_head.weight"] = params["head"].T
