@@ -46,6 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
     # model's own rope_theta and rope_scaling on every layer.
     m.local_rope_theta = 0.0
     m.qk_norm = False  # RMSNorm over each head's dims of q and k before RoPE (Qwen3, Gemma 3)
+    # qk_norm's reach: head (each head's dims, one weight shared by the heads: Qwen3, Gemma 3)
+    # | projection (the whole q and k projections, all heads together: OLMoE)
+    m.qk_norm_scope = "head"
     # The families' other differences from Llama; each default leaves a Llama model unchanged.
     m.norm_unit_offset = False  # every RMSNorm scales by 1 + w, w starting at 0 (Gemma)
     m.sandwich_norms = False  # norms on the attention and MLP outputs too (Gemma's 4 a block)

@@ -124,9 +124,13 @@ class Attention(nnx.Module):
             self.bv = _bias((m.num_kv_heads, hd), ("kv_heads", "head_dim"))
         else:
             self.bq = self.bk = self.bv = None
-        # Qwen3 / Gemma 3: an RMSNorm over each head's dims, one weight for all heads, before RoPE
+        # Qwen3 / Gemma 3: an RMSNorm over each head's dims, one weight for all heads, before
+        # RoPE; OLMoE's (model.qk_norm_scope=projection): one over the whole q (and k)
+        # projection, all heads' dims together, a weight each
+        self.qk_whole = str(m.get("qk_norm_scope", "head")) == "projection"
         if m.get("qk_norm", False):
-            self.q_norm, self.k_norm = norm_from_config(m, hd), norm_from_config(m, hd)
+            q_dim, k_dim = (m.num_heads * hd, m.num_kv_heads * hd) if self.qk_whole else (hd, hd)
+            self.q_norm, self.k_norm = norm_from_config(m, q_dim), norm_from_config(m, k_dim)
         else:
             self.q_norm = self.k_norm = None
         # Gemma's softmax scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5: the
@@ -162,7 +166,10 @@ class Attention(nnx.Module):
         and values."""
         q_BLHD = self._project(x_BLD, self.wq, self.bq)  # bias before the norm and RoPE
         k_BLKD = self._project(x_BLD, self.wk, self.bk)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_whole:
+            q_BLHD = self.q_norm(q_BLHD.reshape(*q_BLHD.shape[:2], -1)).reshape(q_BLHD.shape)
+            k_BLKD = self.k_norm(k_BLKD.reshape(*k_BLKD.shape[:2], -1)).reshape(k_BLKD.shape)
+        elif self.q_norm is not None:
             q_BLHD, k_BLKD = self.q_norm(q_BLHD), self.k_norm(k_BLKD)
         if rope is not None:
             q_BLHD, k_BLKD = rope(q_BLHD, positions_BL), rope(k_BLKD, positions_BL)
@@ -202,7 +209,7 @@ class Block(nnx.Module):
         self.attn = Attention(m, backend, dtype, rngs)
         self.mlp_norm = norm_from_config(m)
         self.moe = experts_of(m) > 0  # the MLP slot holds a mixture of experts (model/moe.py)
-        self.mlp = MoE(m, dtype, rngs) if self.moe else GatedMLP(m, dtype, rngs)
+        self.mlp = MoE(m, dtype, rngs, backend.mesh) if self.moe else GatedMLP(m, dtype, rngs)
         if m.get("sandwich_norms", False):
             self.attn_post_norm, self.mlp_post_norm = norm_from_config(m), norm_from_config(m)
         else:

@@ -160,7 +160,7 @@ class MoE(nnx.Module):
     (``router_bias`` [E] where the family has one) and the experts' stacked SwiGLU weights
     ``w_gate``, ``w_up`` [E, D, F] and ``w_down`` [E, F, D]."""
 
-    def __init__(self, m, dtype, rngs: nnx.Rngs):
+    def __init__(self, m, dtype, rngs: nnx.Rngs, mesh=None):
         e = m.moe
         E, F, D = int(e.num_experts), int(e.expert_dim or m.ffn_dim), m.d_model
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
@@ -174,25 +174,58 @@ class MoE(nnx.Module):
         self.activation = ACTIVATIONS[str(m.get("mlp_activation", "silu"))]
         self.impl = grouped_impl(str(e.get("grouped", "auto")))
         self.capacity_factor = float(e.get("capacity", 0.0) or 0.0)
-
-    def logits(self, x_TD):
-        """fp32 router logits [T, E]."""
-        logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.router[...])
-        return logits if self.router_bias is None else logits + self.router_bias[...]
+        self.mesh = mesh
 
     def __call__(self, x_BLD, real_BL):
-        """(output [B, L, D], this layer's router statistics over ``real_BL``'s tokens)."""
+        """(output [B, L, D], this layer's router statistics over ``real_BL``'s tokens).
+
+        On a mesh each device routes and runs its own tokens (a ``shard_map`` over the axes
+        that split them): its token-expert pairs never leave it, and the experts' weights come
+        to it, gathered as FSDP gathers every weight (a sort over the whole batch instead,
+        left to the compiler, all-reduces every device's pairs: docs/moe.md). The statistics
+        are summed over the devices, so they are the whole batch's."""
+        from jax.sharding import PartitionSpec as P
+        from model.chunks import TOKEN_AXES, cast_before_gather
+        from parallel.mesh import BATCH_AXES, batch_shards
+        weights = (self.router[...], None if self.router_bias is None else self.router_bias[...],
+                   *(cast_before_gather(w[...], self.dtype)
+                     for w in (self.w_gate, self.w_up, self.w_down)))
+        B, L, _ = x_BLD.shape
+        mesh = self.mesh
+        if mesh is None or B % batch_shards(mesh) or L % mesh.shape["sequence"]:
+            return self.local(weights, x_BLD, real_BL, None)
+
+        def local(weights, x_BLD, real_BL):
+            weights = jax.tree.map(lambda w: jax.lax.pcast(w, TOKEN_AXES, to="varying"), weights)
+            y_BLD, stats = self.local(weights, x_BLD, real_BL, "tensor")
+            return y_BLD, jax.tree.map(lambda s: jax.lax.psum(s, TOKEN_AXES), stats)
+
+        tokens = P(BATCH_AXES, "sequence")
+        specs = (P(), None if self.router_bias is None else P(), P(None, None, "tensor"),
+                 P(None, None, "tensor"), P(None, "tensor", None))
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(*tokens, None), tokens),
+                             out_specs=(P(*tokens, None), P()))(weights, x_BLD, real_BL)
+
+    def local(self, weights, x_BLD, real_BL, tensor_axis):
+        """``__call__`` on one device's tokens (or the whole batch's, off a mesh), with
+        ``weights`` (router, router bias, w_gate, w_up, w_down) whole but for the experts' width
+        split over ``tensor_axis`` (its partial sums added there). A capacity counts this
+        device's pairs."""
+        router, bias, w_gate, w_up, w_down = weights
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
-        logits_TE = self.logits(x_TD)
+        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
+        if bias is not None:
+            logits_TE = logits_TE + bias
         weights_TK, experts_TK, probs_TE = route(logits_TE, self.top_k, self.router_kind,
                                                  self.renormalize)
         capacity = (math.ceil(self.capacity_factor * B * L * self.top_k / self.num_experts)
                     if self.capacity_factor else 0)
-        c = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        y_TD, dropped = experts_forward(x_TD, weights_TK, experts_TK, c(self.w_gate),
-                                        c(self.w_up), c(self.w_down), impl=self.impl,
-                                        activation=self.activation, capacity=capacity)
+        y_TD, dropped = experts_forward(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down,
+                                        impl=self.impl, activation=self.activation,
+                                        capacity=capacity)
+        if tensor_axis is not None:
+            y_TD = jax.lax.psum(y_TD, tensor_axis)  # each tensor device held part of F
         stats = router_stats(logits_TE, probs_TE, experts_TK, real_BL.reshape(-1), dropped)
         return y_TD.reshape(B, L, D).astype(x_BLD.dtype), stats
 

@@ -174,6 +174,7 @@ def one_device():
 MESHES = [  # (impl, layout, mesh, microbatches)
     ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
     ("usp", "zigzag", {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, 1),
+    ("ring", "contiguous", {"data": 2, "fsdp": 1, "sequence": 2, "tensor": 2}, 1),
 ]
 
 
@@ -182,8 +183,9 @@ MESHES = [  # (impl, layout, mesh, microbatches)
                               for i, lay, m, k in MESHES])
 def test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp(one_device, impl, layout,
                                                                     mesh, microbatches):
-    """Striped over a ring of 8 with the experts split over it, and zigzag usp with them split
-    over fsdp x sequence: the loss (LM + aux + z), the aux loss, the load and the gradient
+    """Striped over a ring of 8 with the experts split over it, zigzag usp with them split over
+    fsdp x sequence, and data x a ring of 2 x tensor 2 (each expert's width split): each device
+    routes its own tokens; the loss (LM + aux + z), the aux loss, the load and the gradient
     norm of one device, within fp32 noise."""
     c, params, natural, (want_loss, want_metrics, want_norm, _) = one_device
     cm = moe_config(mesh, impl, layout, microbatches)
