@@ -1,6 +1,7 @@
 """A Hugging Face ``config.json`` to and from this project's model config: LLaMA, Mistral, Qwen2,
 Qwen3, Gemma 3 (``Gemma3ForCausalLM``, and the language model of
-``Gemma3ForConditionalGeneration``), SmolLM3, and the mixtures of experts Mixtral and Qwen3-MoE.
+``Gemma3ForConditionalGeneration``), SmolLM3, and the mixtures of experts Mixtral, Qwen3-MoE and
+OLMoE.
 
 Every family is the LLaMA block with some of the model's switches on:
 - Qwen2: biases on q, k and v (``model.qkv_bias``).
@@ -25,8 +26,16 @@ Every family is the LLaMA block with some of the model's switches on:
   ``moe_intermediate_size`` -> ``expert_dim``, softmax then top k renormalised (Mixtral always,
   Qwen3-MoE by ``norm_topk_prob``), ``router_aux_loss_coef`` -> ``aux_loss`` (no z-loss, no
   capacity: transformers' is dropless). Qwen3-MoE's dense layers (``decoder_sparse_step`` other
-  than 1, ``mlp_only_layers``) do not convert; OLMoE's q/k norms over the whole projection do
-  not either (``REFUSED``).
+  than 1, ``mlp_only_layers``) do not convert.
+- OLMoE (``OlmoeForCausalLM``): Mixtral's names for the shapes (``intermediate_size`` is each
+  expert's width, ``num_experts``), Qwen3-MoE's for the tensors, the top k renormalised by
+  ``norm_topk_prob`` (default false), and q/k norms over the whole projection
+  (``model.qk_norm_scope=projection``: q_norm weighs num_heads x head_dim = hidden_size values,
+  k_norm num_kv_heads x head_dim, each one RMS over all its heads, after the projection and
+  before the split into heads and RoPE). Its head_dim is hidden_size / num_attention_heads (the
+  norms' widths assume it); no window. ``clip_qkv`` (q, k and v clamped) does not convert;
+  ``router_z_loss_coef``, which transformers never adds to the loss, is left out in one line
+  (``left_out``: ``model.moe.z_loss`` stays 0, the loss transformers computes).
 Each layer's kind becomes ``model.layer_types`` (full | sliding | full_nope | sliding_nope; empty
 when every layer is alike) and ``model.sliding_window`` (a query at p sees keys p - W < k <= p,
 transformers' convention); the window and the kinds are read as transformers builds the model
@@ -39,7 +48,8 @@ RoPE arrives as ``rope_theta`` + ``rope_scaling`` (released checkpoints, transfo
 (``DEFAULTS``: released Gemma 3 text configs list only what differs).
 
 Export writes the architecture the model's fields need (``architecture``): a mixture of experts
--> Qwen3MoeForCausalLM with q/k norms, else MixtralForCausalLM; Gemma's fields ->
+-> OlmoeForCausalLM with q/k norms over the whole projection (``model.qk_norm_scope``), with
+per-head ones Qwen3MoeForCausalLM, else MixtralForCausalLM; Gemma's fields ->
 Gemma3ForCausalLM, NoPE layers (or windows on some layers only, without biases or q/k norms) ->
 SmolLM3ForCausalLM, q/k norms -> Qwen3ForCausalLM, q/k/v biases -> Qwen2ForCausalLM, a window on
 every layer -> MistralForCausalLM, else LlamaForCausalLM; a combination none of them has stops in
@@ -60,19 +70,23 @@ from errors import ConversionError
 CONVERTS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "olmoe": "OlmoeForCausalLM"}
 # Multimodal model_type -> (its architecture, the model_type of its language model): the
 # language model (config.json's text_config) converts, the rest is left out.
 MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
 ARCHITECTURES = tuple(CONVERTS.values()) + tuple(a for a, _ in MULTIMODAL.values())
 MODEL_TYPES = tuple(CONVERTS)
 QKV_BIAS = ("qwen2",)  # model types with biases on q, k and v (and none on o)
-QK_NORM = ("qwen3", "gemma3_text", "qwen3_moe")  # an RMSNorm on each head of q and of k
+QK_NORM = ("qwen3", "gemma3_text", "qwen3_moe", "olmoe")  # RMSNorms on q and on k before RoPE
+# ... over the whole q and k projections (model.qk_norm_scope=projection), not each head's dims
+QK_NORM_PROJECTION = ("olmoe",)
 GEMMA = ("gemma3_text",)  # 1 + w norms, sandwich norms, scaled embeddings, its own softmax scale
 # Mixtures of experts in every layer's MLP slot (model.moe) -> (the key of each expert's hidden
 # width, whether the top k weights are renormalised: a bool, or the key saying so)
 MOE = {"mixtral": ("intermediate_size", True), "qwen3_moe": ("moe_intermediate_size",
-                                                             "norm_topk_prob")}
+                                                             "norm_topk_prob"),
+       "olmoe": ("intermediate_size", "norm_topk_prob")}
 # Model types whose one sliding_window (if any) applies to every layer
 EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe")
 
@@ -109,10 +123,15 @@ DEFAULTS = {
                   "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
                   "num_experts_per_tok": 8, "norm_topk_prob": False,
                   "router_aux_loss_coef": 0.001, "mlp_only_layers": [], "rope_theta": 10000.0},
+    "olmoe": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048,
+              "num_hidden_layers": 16, "num_attention_heads": 16, "hidden_act": "silu",
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+              "attention_bias": False, "clip_qkv": None, "num_experts_per_tok": 8,
+              "norm_topk_prob": False, "router_aux_loss_coef": 0.01, "rope_theta": 10000.0},
 }
 # The expert count's default where a config names none (its key is read in either spelling:
 # num_local_experts, as transformers 5.23 writes it, or num_experts: ``_num_experts``)
-DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128}
+DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64}
 
 # Known decoders that do not convert, model_type -> (name, what it has that this model has not).
 REFUSED = {
@@ -127,9 +146,6 @@ REFUSED = {
                                "(proportional) RoPE on the global layers, keys and values "
                                "shared across layers"),
     "qwen2_moe": ("Qwen2-MoE", "a mixture-of-experts MLP (num_experts) with a gated shared expert"),
-    "olmoe": ("OLMoE", "RMSNorm over the whole of q and of k (q_norm over hidden_size, k_norm "
-                       "over kv heads x head_dim), where model.qk_norm normalises each head "
-                       "alone (its mixture of experts alone would convert)"),
     "qwen3_next": ("Qwen3-Next", "linear attention (Gated DeltaNet) layers, gated attention, "
                                  "a mixture-of-experts MLP"),
     "qwen3_5": ("Qwen3.5", "linear attention (Gated DeltaNet) layers, gated attention, partial "
@@ -153,8 +169,9 @@ REFUSED = {
                              "LayerNorm with biases, partial rotary embedding, GELU MLP"),
     "gpt2": ("GPT-2", "learned absolute position embeddings, LayerNorm, fused c_attn weights, "
                       "GELU MLP, biases"),
-    "olmo2": ("OLMo 2", "RMSNorm over the whole of q and of k (not per head), norms after "
-                        "attention and MLP instead of before"),
+    "olmo2": ("OLMo 2", "norms after attention and MLP instead of before (its RMSNorms over "
+                        "the whole of q and of k alone would convert: model.qk_norm_scope="
+                        "projection)"),
     "cohere": ("Command R", "LayerNorm, parallel attention and MLP, logit scale"),
     "starcoder2": ("StarCoder2", "LayerNorm, GELU MLP, biases"),
 }
@@ -229,6 +246,10 @@ def _refuse(cfg: dict):
         raise ConversionError(
             f"config.json: model_type={kind!r}, architecture {arch!r}; only "
             f"LLaMA-architecture decoders convert ({', '.join(ARCHITECTURES)})")
+    if cfg.get("clip_qkv") is not None:
+        raise ConversionError(f"config.json: clip_qkv={cfg['clip_qkv']!r}: transformers clamps "
+                              f"q, k and v to +-clip_qkv ({arch}); this model's attention does "
+                              f"not clip (clip_qkv null converts)")
     if cfg.get("attention_bias"):
         raise ConversionError("config.json: attention_bias=true (biases on q, k, v and o); only "
                               "Qwen2's q/k/v biases convert (model_type 'qwen2')")
@@ -252,9 +273,9 @@ def _window(cfg: dict) -> int | None:
     """The window transformers applies to sliding layers (None: none), checked."""
     kind = cfg.get("model_type")
     window = cfg.get("sliding_window")
-    if kind == "llama" or (kind in ("qwen2", "qwen3", "smollm3", "qwen3_moe")
+    if kind in ("llama", "olmoe") or (kind in ("qwen2", "qwen3", "smollm3", "qwen3_moe")
                            and not cfg.get("use_sliding_window")):
-        window = None  # LlamaForCausalLM never reads it; the others drop it when false
+        window = None  # Llama/OlmoeForCausalLM never read it; the others drop it when false
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise ConversionError(f"config.json: sliding_window={window!r}; it must be a whole "
@@ -504,14 +525,25 @@ def moe_fields(cfg: dict) -> dict:
 def left_out(cfg: dict) -> list[str]:
     """What a config that converts says that the import leaves out, a line each: Mixtral's
     ``router_jitter_noise`` (transformers multiplies the router's input by noise while training;
-    the router here takes none; the model is the same)."""
+    the router here takes none; the model is the same) and a ``router_z_loss_coef`` (OLMoE's
+    training weight of the router z-loss: no transformers mixture of experts adds a z-loss to
+    its loss, so ``model.moe.z_loss`` stays 0, the loss transformers computes)."""
     cfg = read(cfg)
-    jitter = cfg.get("router_jitter_noise") if cfg.get("model_type") in MOE else None
+    if cfg.get("model_type") not in MOE:
+        return []
+    lines = []
+    jitter = cfg.get("router_jitter_noise")
     if jitter:
-        return [f"config.json: router_jitter_noise={jitter} is left out: transformers multiplies "
-                f"the router's input by noise in training, the router here takes none (the "
-                f"model is the same)"]
-    return []
+        lines.append(f"config.json: router_jitter_noise={jitter} is left out: transformers "
+                     f"multiplies the router's input by noise in training, the router here takes "
+                     f"none (the model is the same)")
+    z = cfg.get("router_z_loss_coef")
+    if z:
+        lines.append(f"config.json: router_z_loss_coef={z} is left out: "
+                     f"{CONVERTS[cfg['model_type']]} adds no z-loss to its loss, so "
+                     f"model.moe.z_loss stays 0 (set --config.model.moe.z_loss={z} to train "
+                     f"with one; the model is the same)")
+    return lines
 
 
 def model_fields(cfg: dict) -> dict:
@@ -534,11 +566,19 @@ def model_fields(cfg: dict) -> dict:
                               f"{CONVERTS[kind]} config has") from None
     fields["layer_types"], fields["sliding_window"] = layers(cfg)
     head_dim = int(cfg.get("head_dim") or d // heads)
+    if kind in QK_NORM_PROJECTION and head_dim * heads != d:
+        raise ConversionError(
+            f"config.json: head_dim={cfg.get('head_dim')!r} with hidden_size={d} and "
+            f"num_attention_heads={heads}: {CONVERTS[kind]}'s q_norm weighs hidden_size values, "
+            f"so its heads are hidden_size / num_attention_heads wide (transformers cannot run "
+            f"another head_dim)")
     fields["head_dim"] = 0 if head_dim * heads == d else head_dim
     gemma = kind in GEMMA
     scalar = cfg.get("query_pre_attn_scalar") if gemma else None
     fields.update(
-        qk_norm=kind in QK_NORM, norm_unit_offset=gemma, sandwich_norms=gemma,
+        qk_norm=kind in QK_NORM,
+        qk_norm_scope="projection" if kind in QK_NORM_PROJECTION else "head",
+        norm_unit_offset=gemma, sandwich_norms=gemma,
         scale_embeddings=gemma, mlp_activation=ACTIVATIONS[cfg.get(_activation_key(cfg), "silu")],
         query_pre_attn_scalar=float(scalar or 0.0),
         final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0)
@@ -561,7 +601,8 @@ WRITTEN = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_fre
            "mlp_bias", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
            "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
            "router_jitter_noise", "decoder_sparse_step", "mlp_only_layers",
-           "output_router_logits", "n_routed_experts", "moe_num_experts")
+           "output_router_logits", "n_routed_experts", "moe_num_experts", "clip_qkv",
+           "router_z_loss_coef")
 
 
 def _experts(m) -> int:
@@ -577,9 +618,14 @@ def _renormalized(m) -> bool:
     return str(m.moe.get("router", "softmax_topk")) == "topk_softmax" or bool(m.moe.renormalize)
 
 
+def _projection_norms(m) -> bool:
+    """Whether ``m``'s q/k norms span the whole projection (OLMoE's), not each head."""
+    return bool(m.get("qk_norm", False)) and str(m.get("qk_norm_scope", "head")) == "projection"
+
+
 def _moe_architecture(m, gemma: list, nope: bool, sliding: list) -> str:
-    """qwen3_moe (q/k norms) or mixtral for a mixture of experts ``m``, or one line saying what
-    neither has."""
+    """olmoe (q/k norms over the whole projection), qwen3_moe (per-head q/k norms) or mixtral
+    for a mixture of experts ``m``, or one line saying what none of them has."""
     on = lambda f: bool(m.get(f, False))  # noqa: E731
     what = ([f"model.{f}" for f in gemma] + (["NoPE layers"] if nope else [])
             + (["model.qkv_bias"] if on("qkv_bias") else [])
@@ -589,22 +635,36 @@ def _moe_architecture(m, gemma: list, nope: bool, sliding: list) -> str:
     if what:
         raise ConversionError(
             f"model.moe.num_experts={_experts(m)} with {', '.join(what)}: no Hugging Face "
-            f"architecture has this combination (MixtralForCausalLM and Qwen3MoeForCausalLM: "
-            f"LLaMA's block with q/k norms or none, a window on every layer or none, a router "
-            f"without a bias)")
+            f"architecture has this combination (MixtralForCausalLM, Qwen3MoeForCausalLM and "
+            f"OlmoeForCausalLM: LLaMA's block with q/k norms or none, a window on every layer "
+            f"or none, a router without a bias)")
+    if _projection_norms(m):
+        hd = m.head_dim or m.d_model // m.num_heads
+        what = ((["a window (model.sliding_window)"] if any(sliding) else [])
+                + ([f"model.head_dim={hd} (not d_model / num_heads = "
+                    f"{m.d_model / m.num_heads:g})"] if hd * m.num_heads != m.d_model else []))
+        if what:
+            raise ConversionError(
+                f"model.qk_norm_scope=projection with {', '.join(what)}: no Hugging Face "
+                f"architecture has this combination (OlmoeForCausalLM, whose q/k norms span the "
+                f"whole projection, has no window and heads of hidden_size / "
+                f"num_attention_heads)")
+        return "olmoe"
     if on("qk_norm"):
         return "qwen3_moe"
     if not _renormalized(m):
         raise ConversionError(
             "model.moe.renormalize=False without model.qk_norm: no Hugging Face architecture "
             "has this combination (MixtralForCausalLM always renormalises the top k weights; "
-            "Qwen3MoeForCausalLM, whose norm_topk_prob may leave them, has q/k norms)")
+            "Qwen3MoeForCausalLM and OlmoeForCausalLM, whose norm_topk_prob may leave them, have "
+            "q/k norms)")
     return "mixtral"
 
 
 def architecture(m) -> str:
-    """The model_type an export of model config ``m`` writes: a mixture of experts -> qwen3_moe
-    with q/k norms, else mixtral; Gemma's fields -> gemma3_text,
+    """The model_type an export of model config ``m`` writes: a mixture of experts -> olmoe
+    with q/k norms over the whole projection, qwen3_moe with per-head ones, else mixtral;
+    Gemma's fields -> gemma3_text,
     NoPE layers -> smollm3, q/k norms -> qwen3, q/k/v biases -> qwen2, a window on every layer
     -> mistral, on some layers -> smollm3 (per-layer windows, RoPE on each), else llama. A
     combination no Hugging Face architecture has is one line naming it."""
@@ -626,6 +686,12 @@ def architecture(m) -> str:
     sliding = [k.startswith("sliding") for k in names]
     if _experts(m):
         return _moe_architecture(m, gemma, nope, sliding)
+    if _projection_norms(m):
+        raise ConversionError(
+            "model.qk_norm_scope=projection without a mixture of experts (model.moe.num_experts"
+            "=0): no Hugging Face architecture has this combination (OlmoeForCausalLM, the one "
+            "whose q/k norms span the whole projection, has one; OLMo 2's come with norms after "
+            "attention and MLP instead of before)")
     if gemma:
         missing = [f for f in GEMMA_BLOCK if not on(f)]
         extra = (["qkv_bias"] if on("qkv_bias") else []) + (["NoPE layers"] if nope else [])
@@ -765,8 +831,13 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
         out.update(no_rope_layers=[0 if k.endswith("_nope") else 1 for k in names],
                    use_sliding_window=bool(sliding), sliding_window=window if sliding else None,
                    layer_types=types)
-    if kind in ("llama", "qwen3", "smollm3", "qwen3_moe"):  # their configs' own fields
+    if kind in ("llama", "qwen3", "smollm3", "qwen3_moe", "olmoe"):  # their configs' own fields
         out["attention_bias"] = False
+    if kind == "olmoe":
+        # no head_dim field (hidden_size / heads: architecture checked it), no window
+        # (OlmoeForCausalLM reads none), nothing clipped
+        del out["head_dim"]
+        out["clip_qkv"] = None
     if kind in MOE:
         e = m.moe
         width = int(e.get("expert_dim", 0) or m.ffn_dim)
@@ -776,6 +847,9 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
             jitter = base.get("router_jitter_noise", 0.0) if same_family else 0.0
             out.update(num_local_experts=int(e.num_experts), intermediate_size=width,
                        router_jitter_noise=float(jitter or 0.0))
+        elif kind == "olmoe":  # num_experts, intermediate_size each expert's width
+            out.update(num_experts=int(e.num_experts), intermediate_size=width,
+                       norm_topk_prob=_renormalized(m))
         else:  # num_experts: the key every transformers version reads (5.23 writes the other)
             out.update(num_experts=int(e.num_experts), moe_intermediate_size=width,
                        norm_topk_prob=_renormalized(m), decoder_sparse_step=1,

@@ -165,7 +165,9 @@ def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out:
         f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
         + (", tied embeddings" if m.tie_embeddings else "")
         + (", q/k/v biases" if m.get("qkv_bias", False) else "")
-        + (", q/k norms" if m.get("qk_norm", False) else "")
+        + ((", q/k norms over the whole projection"
+            if str(m.get("qk_norm_scope", "head")) == "projection" else ", q/k norms")
+           if m.get("qk_norm", False) else "")
         + (f", {m.moe.num_experts} experts of width {m.moe.expert_dim}, top {m.moe.top_k}"
            f"{' renormalised' if m.moe.renormalize else ''}, aux_loss {m.moe.aux_loss:g}"
            if m.get("moe", None) is not None and m.moe.num_experts else "")
@@ -216,7 +218,7 @@ def export_hf(run_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str =
               log: Callable[[str], None] = print) -> pathlib.Path:
     """Writes an HF directory at ``out`` from a run's checkpoint, of the architecture its model
     fields need (hf/config.py ``architecture``: LLaMA, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM3,
-    Mixtral or Qwen3-MoE; a combination none of them has is one line, before anything is
+    Mixtral, Qwen3-MoE or OLMoE; a combination none of them has is one line, before anything is
     read)."""
     import jax
     import ml_dtypes

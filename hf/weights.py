@@ -1,6 +1,7 @@
-"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 / Mixtral / Qwen3-MoE tensor
-names and shapes to this model's parameter tree, and back (Mistral's and SmolLM3's names are
-LLaMA's; Mixtral's and Qwen3-MoE's attention is Mistral's and Qwen3's).
+"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 / Mixtral / Qwen3-MoE / OLMoE
+tensor names and shapes to this model's parameter tree, and back (Mistral's and SmolLM3's names
+are LLaMA's; Mixtral's and Qwen3-MoE's attention is Mistral's and Qwen3's; OLMoE's names are
+Qwen3-MoE's).
 
 HF stores each projection as ``[out, in]`` per layer; here the layers are stacked on a leading
 axis (lax.scan) and projections are ``[in, ...out]`` with heads split out:
@@ -8,7 +9,10 @@ axis (lax.scan) and projections are ``[in, ...out]`` with heads split out:
 spellings rotate the two halves of each head (``rotate_half``), so no row permutation is needed.
 Qwen2's q/k/v biases (``model.qkv_bias``) split their heads out the same way:
 ``q_proj.bias [H*hd] -> bq [L, H, hd]``. Qwen3's and Gemma 3's q/k norms
-(``self_attn.q_norm.weight [hd]``) are ``attn.q_norm.scale [L, hd]``. Gemma 3's four norms a
+(``self_attn.q_norm.weight [hd]``) are ``attn.q_norm.scale [L, hd]``; OLMoE's, over the whole
+projection (``model.qk_norm_scope=projection``), ``q_norm.weight [H*hd]`` (hidden_size) and
+``k_norm.weight [K*hd]``, are ``attn.q_norm.scale [L, H*hd]`` and ``attn.k_norm.scale [L, K*hd]``
+(the projection's order: head by head). Gemma 3's four norms a
 layer (``model.sandwich_norms``) are input_layernorm -> attn_norm, post_attention_layernorm ->
 attn_post_norm, pre_feedforward_layernorm -> mlp_norm, post_feedforward_layernorm ->
 mlp_post_norm (in LLaMA post_attention_layernorm is the MLP's pre-norm, mlp_norm); its norms
@@ -16,14 +20,14 @@ store w of the 1 + w they scale by, as ``model.norm_unit_offset`` does here: cop
 A multimodal checkpoint (Gemma3ForConditionalGeneration) is read through ``language_model``: its
 language model's tensors under the decoder's names, the rest left out and named.
 
-A mixture of experts (``model.moe``: Mixtral, Qwen3-MoE) holds in the MLP slot ``router [L, D, E]``
-(HF's ``gate.weight [E, D]``, transposed) and ``w_gate``, ``w_up [L, E, D, F]``, ``w_down
-[L, E, F, D]``. Released checkpoints, and transformers 5.23's ``save_pretrained`` by default,
-hold one tensor per expert: Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (gate, up,
-down) and ``block_sparse_moe.gate.weight``, Qwen3-MoE (and OLMoE)
+A mixture of experts (``model.moe``: Mixtral, Qwen3-MoE, OLMoE) holds in the MLP slot ``router
+[L, D, E]`` (HF's ``gate.weight [E, D]``, transposed) and ``w_gate``, ``w_up [L, E, D, F]``,
+``w_down [L, E, F, D]``. Released checkpoints, and transformers 5.23's ``save_pretrained`` by
+default, hold one tensor per expert: Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``
+(gate, up, down) and ``block_sparse_moe.gate.weight``, Qwen3-MoE and OLMoE
 ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` and ``mlp.gate.weight``. transformers 5's
-modules fuse them, and ``save_pretrained(save_original_format=False)`` writes them so (both
-families under ``mlp.``): ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows) and
+modules fuse them, and ``save_pretrained(save_original_format=False)`` writes them so (every
+family under ``mlp.``): ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows) and
 ``mlp.experts.down_proj [E, D, F]``. Import reads any of these (``moe_layout`` finds which);
 export writes the family's released per-expert names.
 """
@@ -64,6 +68,11 @@ QK_NORMS = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", "head_vector"),
     (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", "head_vector"),
 )
+# ... with model.qk_norm_scope=projection (OLMoE): one over the whole q projection, one over k.
+QK_NORMS_PROJECTION = (
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", "q_vector"),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", "kv_vector"),
+)
 # The same for model.qkv_bias (Qwen2): biases on q, k and v, none on o.
 BIASES = (
     (("attn", "bq"), "self_attn.q_proj.bias", "bias_heads"),
@@ -71,7 +80,8 @@ BIASES = (
     (("attn", "bv"), "self_attn.v_proj.bias", "bias_kv_heads"),
 )
 # model.moe's tensors, by layout (``moe_layout``): the MLP slot's prefix within a layer, and the
-# per-expert names of (gate, up, down), or None for transformers 5's fused experts.
+# per-expert names of (gate, up, down), or None for transformers 5's fused experts. OLMoE's are
+# Qwen3-MoE's.
 MOE_LAYOUTS = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                "fused": ("mlp.", None)}
@@ -93,8 +103,13 @@ def _block(m):
     experts' MLP slot apart: ``_moe_shapes``)."""
     return (ATTENTION + (() if _experts(m) else MLP)
             + (SANDWICH_NORMS if m.get("sandwich_norms", False) else NORMS)
-            + (QK_NORMS if m.get("qk_norm", False) else ())
+            + (_qk_norms(m) if m.get("qk_norm", False) else ())
             + (BIASES if m.get("qkv_bias", False) else ()))
+
+
+def _qk_norms(m):
+    projection = str(m.get("qk_norm_scope", "head")) == "projection"
+    return QK_NORMS_PROJECTION if projection else QK_NORMS
 
 
 def _to_ours(w, kind: str, m):
@@ -130,8 +145,8 @@ def _experts(m) -> int:
 def moe_layout(m, tensors=None) -> str | None:
     """Which of ``MOE_LAYOUTS`` a mixture of experts ``m`` reads from ``tensors`` (the first
     layer's names say) or writes (``tensors`` None: the family's released names, Qwen3-MoE's
-    with q/k norms, else Mixtral's, as hf/config.py ``architecture`` picks); None for a dense
-    model."""
+    (OLMoE's too) with q/k norms, else Mixtral's, as hf/config.py ``architecture`` picks); None
+    for a dense model."""
     if not _experts(m):
         return None
     family = "qwen3_moe" if m.get("qk_norm", False) else "mixtral"
@@ -199,6 +214,7 @@ def _expected(m, layout: str | None = None) -> dict[str, tuple[int, ...]]:
     hd, d, f = head_dim(m), m.d_model, m.ffn_dim
     shapes = {"in_heads": (m.num_heads * hd, d), "in_kv_heads": (m.num_kv_heads * hd, d),
               "out_heads": (d, m.num_heads * hd), "vector": (d,), "head_vector": (hd,),
+              "q_vector": (m.num_heads * hd,), "kv_vector": (m.num_kv_heads * hd,),
               "bias_heads": (m.num_heads * hd,), "bias_kv_heads": (m.num_kv_heads * hd,)}
     mlp = {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
            "mlp.down_proj.weight": (d, f)}

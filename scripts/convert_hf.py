@@ -1,12 +1,12 @@
-"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 / Mixtral / Qwen3-MoE checkpoints in and out of run directories.
+"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 / Mixtral / Qwen3-MoE / OLMoE checkpoints in and out of run directories.
 
     python scripts/convert_hf.py import --hf HF_DIR --out RUN_DIR [--config configs/X.py] [--config.a.b=v ...]
     python scripts/convert_hf.py import --gguf FILE.gguf --out RUN_DIR [--config configs/X.py] [--config.a.b=v ...]
     python scripts/convert_hf.py export --run RUN_DIR --out HF_DIR [--dtype bfloat16] [--step N]
 
 import reads a local LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-Gemma3ForCausalLM, SmolLM3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM (mixtures of
-experts: model.moe) or Gemma3ForConditionalGeneration (its language model; the
+Gemma3ForCausalLM, SmolLM3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM
+(mixtures of experts: model.moe) or Gemma3ForConditionalGeneration (its language model; the
 vision tower is left out and named) directory (config.json, model.safetensors or shards with
 their index, tokenizer.json), without torch, or a llama.cpp GGUF file of a llama-architecture
 model (dequantized to float32, its tokenizer rebuilt; hf/gguf_file.py), and writes a run directory: its config (the
@@ -17,8 +17,8 @@ step-0 checkpoint of the weights. Train from it with
 (and the model fields the import printed), or use it directly with scripts/generate.py,
 scripts/eval.py and scripts/eval_passkey.py. export writes a directory that transformers'
 AutoModelForCausalLM and AutoTokenizer load, with rope_theta / rope_scaling as trained, of the
-architecture the model's fields need (hf/config.py architecture: Qwen3MoeForCausalLM,
-MixtralForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM,
+architecture the model's fields need (hf/config.py architecture: OlmoeForCausalLM,
+Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM,
 MistralForCausalLM or LlamaForCausalLM). hf/config.py REFUSED names what the known architectures that do not convert
 have.
 """

@@ -1,12 +1,13 @@
 """scripts/convert_hf.py against transformers for the mixtures of experts: MixtralForCausalLM
-(Mistral's attention with a window on every layer; the top k weights always renormalised) and
-Qwen3MoeForCausalLM (q/k norms, its own head_dim; norm_topk_prob both ways). Small random fp32
+(Mistral's attention with a window on every layer; the top k weights always renormalised),
+Qwen3MoeForCausalLM (q/k norms, its own head_dim; norm_topk_prob both ways) and OlmoeForCausalLM
+(q/k norms over the whole projection: model.qk_norm_scope=projection). Small random fp32
 models with every weight random, router included: imported, they give transformers' logits,
 greedy tokens, and the first step's loss (LM + router_aux_loss_coef x the load-balancing loss)
 of a batch with padding; exported, they load in transformers to the original's logits, their
 tensors the checkpoint's bit for bit. transformers 5's fused experts (gate_up_proj) import as the
-released per-expert names do. OLMoE (q/k norms over the whole projection), Qwen3-MoE's dense
-layers and a combination no architecture has are one line each."""
+released per-expert names do. OLMoE's clip_qkv, Qwen3-MoE's dense layers and a combination no
+architecture has are one line each."""
 import json
 
 import jax
@@ -55,27 +56,45 @@ def qwen3_moe(rng, eos, renormalize: bool):
         rope_parameters={"rope_type": "default", "rope_theta": float(rng.uniform(1e3, 1e5))})
 
 
+def olmoe(rng, eos):
+    # 6 experts of width 24 (intermediate_size), top 3 not renormalised (OLMoE's default); q/k
+    # norms over the whole projection (q_norm [64], k_norm [32]); a router_z_loss_coef, which
+    # transformers never adds to the loss (left out: model.moe.z_loss stays 0)
+    return OlmoeForCausalLM, OlmoeConfig(
+        **SHAPE, vocab_size=0, intermediate_size=24, num_experts=6, num_experts_per_tok=3,
+        norm_topk_prob=False, router_aux_loss_coef=float(rng.uniform(0.01, 0.1)),
+        router_z_loss_coef=0.001, rms_norm_eps=float(rng.uniform(1e-6, 1e-4)), eos_token_id=eos,
+        bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rng.uniform(1e3, 1e5))})
+
+
 # case -> (builder, the model fields the import must set beyond the shapes, model.moe's fields)
 CASES = {
-    "mixtral": (mixtral, dict(qk_norm=False, head_dim=0, tie_embeddings=False, layer_types="",
+    "mixtral": (mixtral, dict(qk_norm=False, qk_norm_scope="head", head_dim=0,
+                              tie_embeddings=False, layer_types="",
                               sliding_window=WINDOW, ffn_dim=32),
                 dict(num_experts=4, top_k=2, expert_dim=32, renormalize=True)),
     "qwen3_moe": (lambda rng, eos: qwen3_moe(rng, eos, True),
-                  dict(qk_norm=True, head_dim=24, tie_embeddings=True, sliding_window=0,
-                       ffn_dim=96), dict(num_experts=6, top_k=3, expert_dim=24, renormalize=True)),
+                  dict(qk_norm=True, qk_norm_scope="head", head_dim=24, tie_embeddings=True,
+                       sliding_window=0, ffn_dim=96),
+                  dict(num_experts=6, top_k=3, expert_dim=24, renormalize=True)),
     "qwen3_moe_unnormalized": (lambda rng, eos: qwen3_moe(rng, eos, False),
                                dict(qk_norm=True, tie_embeddings=False, sliding_window=0),
                                dict(num_experts=6, top_k=3, expert_dim=24, renormalize=False)),
+    "olmoe": (olmoe, dict(qk_norm=True, qk_norm_scope="projection", head_dim=0,
+                          tie_embeddings=False, layer_types="", sliding_window=0, ffn_dim=24),
+              dict(num_experts=6, top_k=3, expert_dim=24, renormalize=False)),
 }
 ARCH = {"mixtral": MixtralForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
-        "qwen3_moe_unnormalized": Qwen3MoeForCausalLM}
+        "qwen3_moe_unnormalized": Qwen3MoeForCausalLM, "olmoe": OlmoeForCausalLM}
 
 
 def moe_model(rng, directory, case: str):
     """Saves a random model of ``case`` (fp32, eager attention: a window is the mask it builds)
     with every weight far from its initial value: matrices, the router's and the experts'
     included, N(0, 0.3), norm weights U(0.5, 1.5). The end-of-text token's head row is 0, so
-    that greedy decoding never stops at once."""
+    that greedy decoding never stops at once. (OLMoE's q_norm and k_norm, one weight over the
+    whole projection each, are norm weights: U(0.5, 1.5) entry by entry.)"""
     directory.mkdir(parents=True)
     tok = tokenizer_files(rng, directory)
     eos = tok.token_to_id(EOS)
@@ -186,11 +205,12 @@ def test_export_loads_in_transformers_with_the_original_logits(family, rng, tmp_
     for key in ("num_local_experts", "num_experts_per_tok", "norm_topk_prob",
                 "moe_intermediate_size", "intermediate_size", "sliding_window",
                 "router_aux_loss_coef", "tie_word_embeddings", "rope_parameters",
-                "decoder_sparse_step", "mlp_only_layers"):
+                "decoder_sparse_step", "mlp_only_layers", "clip_qkv", "attention_bias"):
         if hasattr(model.config, key):
             assert getattr(theirs.config, key) == getattr(model.config, key), (key, seed)
-    head_dim = lambda c: c.head_dim or c.hidden_size // c.num_attention_heads  # noqa: E731
-    assert head_dim(theirs.config) == head_dim(model.config), seed  # Mixtral's null: 16
+    head_dim = lambda c: (getattr(c, "head_dim", None)  # noqa: E731
+                          or c.hidden_size // c.num_attention_heads)
+    assert head_dim(theirs.config) == head_dim(model.config), seed  # Mixtral's null, OLMoE's none
     tokens = rng.integers(0, run.config.model.vocab_size, (2, 4 * ORIGINAL))
     assert relative(hf_logits(theirs, tokens), hf_logits(model, tokens)) < 1e-5, seed
 
@@ -218,11 +238,18 @@ BASE = {"vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 4, "num_atten
         "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 64}
 QWEN3_MOE = {**BASE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+OLMOE = {**BASE, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "num_experts": 8,
+         "num_experts_per_tok": 2}
 REFUSALS = {
-    "olmoe": ({**BASE, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"],
-               "num_experts": 8, "num_experts_per_tok": 2},
-              ["OLMoE (model_type='olmoe') does not convert: RMSNorm over the whole of q "
-               "and of k"]),
+    "clip_qkv": ({**OLMOE, "clip_qkv": 8.0},
+                 ["clip_qkv=8.0: transformers clamps q, k and v to +-clip_qkv (OlmoeForCausalLM); "
+                  "this model's attention does not clip"]),
+    "clip_qkv 0": ({**OLMOE, "clip_qkv": 0}, ["clip_qkv=0: transformers clamps"]),
+    "olmoe head_dim": ({**OLMOE, "head_dim": 24},
+                       ["head_dim=24 with hidden_size=64 and num_attention_heads=4: "
+                        "OlmoeForCausalLM's q_norm weighs hidden_size values"]),
+    "olmoe biases": ({**OLMOE, "attention_bias": True},
+                     ["attention_bias=true (biases on q, k, v and o)"]),
     "decoder_sparse_step": ({**QWEN3_MOE, "decoder_sparse_step": 2},
                             ["decoder_sparse_step=2: only a mixture of experts in every layer "
                              "converts (model.moe)"]),
@@ -248,15 +275,22 @@ def test_what_these_families_have_that_the_model_lacks_is_one_line(name):
 
 
 def test_olmoe_norms_q_and_k_over_the_whole_projection():
-    """The refusal's reason, held against transformers: OLMoE's q_norm weighs hidden_size
-    values and its k_norm kv heads x head_dim (one RMS over every head), where model.qk_norm
-    (Qwen3-MoE's) is one head_dim-wide norm applied to each head alone."""
-    cfg = OlmoeConfig(**{k: v for k, v in BASE.items()}, num_experts=4, num_experts_per_tok=2)
-    attn = OlmoeForCausalLM(cfg).model.layers[0].self_attn
+    """OLMoE's q_norm weighs hidden_size values and its k_norm kv heads x head_dim (one RMS over
+    every head: model.qk_norm_scope=projection), where Qwen3-MoE's is one head_dim-wide norm
+    applied to each head alone: the import's tensor map (every name and shape, the fused
+    experts as transformers 5.23 holds them) is transformers' own model's."""
+    for cfg, model_class, scope in (
+            (OLMOE, OlmoeForCausalLM, "projection"),
+            ({**QWEN3_MOE, "head_dim": 24}, Qwen3MoeForCausalLM, "head")):
+        fields = hf_config.model_fields(cfg)
+        assert (fields["qk_norm"], fields["qk_norm_scope"]) == (True, scope)
+        m = model_config(**{k: v for k, v in fields.items() if k != "rope_scaling"})
+        config_class = {OlmoeForCausalLM: OlmoeConfig, Qwen3MoeForCausalLM: Qwen3MoeConfig}
+        theirs = model_class(config_class[model_class](**cfg)).state_dict()
+        want = {k: tuple(v.shape) for k, v in theirs.items()}
+        assert weights._expected(m, "fused") == want
+    attn = OlmoeForCausalLM(OlmoeConfig(**OLMOE)).model.layers[0].self_attn
     assert tuple(attn.q_norm.weight.shape) == (64,) and tuple(attn.k_norm.weight.shape) == (32,)
-    q = Qwen3MoeForCausalLM(Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2,
-                                           moe_intermediate_size=8)).model.layers[0].self_attn
-    assert tuple(q.q_norm.weight.shape) == (16,)
 
 
 def test_released_configs_read_as_transformers_builds_them():
@@ -271,16 +305,28 @@ def test_released_configs_read_as_transformers_builds_them():
             "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
             "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": 48, "rope_theta": 1000000.0, "vocab_size": 151936}
+    olmoe = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",  # OLMoE-1B-7B-0924
+             "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None,
+             "eos_token_id": 50279, "hidden_act": "silu", "hidden_size": 2048,
+             "intermediate_size": 1024, "max_position_embeddings": 4096, "norm_topk_prob": False,
+             "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+             "num_hidden_layers": 16, "num_key_value_heads": 16, "output_router_logits": False,
+             "pad_token_id": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+             "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+             "vocab_size": 50304}
     mix = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
            "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
            "num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
            "router_aux_loss_coef": 0.02, "sliding_window": None, "rope_theta": 1e6,
            "vocab_size": 32000}
     for cfg, config_class in ((qwen, Qwen3MoeConfig), (mix, MixtralConfig),
+                              (olmoe, OlmoeConfig),
                               ({"model_type": "qwen3_moe",
                                 "architectures": ["Qwen3MoeForCausalLM"]}, Qwen3MoeConfig),
                               ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]},
-                               MixtralConfig)):
+                               MixtralConfig),
+                              ({"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]},
+                               OlmoeConfig)):
         got, theirs = hf_config.model_fields(cfg), config_class(**cfg)
         e = got["moe"]
         assert e["num_experts"] == theirs.num_local_experts == theirs.num_experts
@@ -288,7 +334,10 @@ def test_released_configs_read_as_transformers_builds_them():
         assert e["aux_loss"] == theirs.router_aux_loss_coef
         assert e["expert_dim"] == getattr(theirs, "moe_intermediate_size", theirs.intermediate_size)
         assert e["renormalize"] == getattr(theirs, "norm_topk_prob", True)
-        assert got["sliding_window"] == (theirs.sliding_window or 0)
+        assert got["sliding_window"] == (getattr(theirs, "sliding_window", None) or 0)
+        assert got["norm_eps"] == theirs.rms_norm_eps
+        assert got["num_kv_heads"] == theirs.num_key_value_heads
+        assert got["tie_embeddings"] == theirs.tie_word_embeddings
         assert got["rope_theta"] == theirs.rope_parameters["rope_theta"]
         assert got["ffn_dim"] == theirs.intermediate_size
         hd = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
@@ -314,7 +363,9 @@ def model_config(**fields):
     (dict(moe=dict(router="topk_softmax", renormalize=False)), "mixtral"),
     (dict(qk_norm=True), "qwen3_moe"),
     (dict(qk_norm=True, moe=dict(renormalize=False)), "qwen3_moe"),
-    (dict(qk_norm=True, sliding_window=8), "qwen3_moe")])
+    (dict(qk_norm=True, sliding_window=8), "qwen3_moe"),
+    (dict(qk_norm=True, qk_norm_scope="projection"), "olmoe"),
+    (dict(qk_norm=True, qk_norm_scope="projection", moe=dict(renormalize=True)), "olmoe")])
 def test_export_picks_the_moe_architecture_and_reads_back_the_same(fields, kind):
     """A top k then softmax router (model.moe.router=topk_softmax) is the softmax's top k
     renormalised: the same weights, exported so."""
@@ -323,17 +374,21 @@ def test_export_picks_the_moe_architecture_and_reads_back_the_same(fields, kind)
     out = hf_config.hf_config(m, seq_len=64, dtype="float32", base=None, bos=None, eos=None)
     assert out["model_type"] == kind and out["architectures"] == [hf_config.CONVERTS[kind]]
     read = hf_config.model_fields(json.loads(json.dumps(out)))
-    for key in ("qk_norm", "sliding_window", "layer_types") + (("ffn_dim",) if kind == "qwen3_moe"
-                                                               else ()):
-        assert read[key] == m[key], key  # (Mixtral's one width is its experts')
+    for key in ("qk_norm", "qk_norm_scope", "sliding_window", "layer_types", "head_dim") + (
+            ("ffn_dim",) if kind == "qwen3_moe" else ()):
+        assert read[key] == m[key], key  # (Mixtral's and OLMoE's one width is their experts')
     renormalized = m.moe.router == "topk_softmax" or m.moe.renormalize
     assert read["moe"] == {"num_experts": 8, "top_k": 2, "expert_dim": 32,
                            "router": "softmax_topk", "renormalize": renormalized,
                            "router_bias": False, "aux_loss": 0.02, "z_loss": 0.0, "capacity": 0.0}
-    config_class = {"mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}[kind]
+    config_class = {"mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig,
+                    "olmoe": OlmoeConfig}[kind]
     theirs = config_class(**out)
     assert (theirs.num_local_experts, theirs.num_experts_per_tok) == (8, 2)
-    assert theirs.sliding_window == (m.sliding_window or None)
+    assert getattr(theirs, "sliding_window", None) == (m.sliding_window or None)
+    if kind == "olmoe":  # no head_dim key: hidden_size / heads; nothing clipped
+        assert "head_dim" not in out and out["clip_qkv"] is None
+        assert (theirs.intermediate_size, theirs.norm_topk_prob) == (32, renormalized)
 
 
 @pytest.mark.parametrize("fields,fragment", [
@@ -347,6 +402,13 @@ def test_export_picks_the_moe_architecture_and_reads_back_the_same(fields, kind)
     (dict(qk_norm=True, norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True),
      "model.moe.num_experts=8 with model.norm_unit_offset, model.sandwich_norms, "
      "model.scale_embeddings"),
+    (dict(qk_norm=True, qk_norm_scope="projection", sliding_window=8),
+     "model.qk_norm_scope=projection with a window (model.sliding_window): no Hugging Face "
+     "architecture has this combination"),
+    (dict(qk_norm=True, qk_norm_scope="projection", head_dim=24),
+     "model.qk_norm_scope=projection with model.head_dim=24 (not d_model / num_heads = 16)"),
+    (dict(qk_norm=True, qk_norm_scope="projection", moe=dict(num_experts=0)),
+     "model.qk_norm_scope=projection without a mixture of experts"),
 ])
 def test_a_mixture_no_architecture_has_is_one_line(fields, fragment):
     with pytest.raises(ConversionError) as e:
@@ -365,3 +427,16 @@ def test_router_jitter_is_left_out_in_one_line():
         "same)"]
     assert hf_config.left_out({**cfg, "router_jitter_noise": 0.0}) == []
     assert hf_config.model_fields(cfg)["moe"]["num_experts"] == 4
+
+
+def test_router_z_loss_coef_is_left_out_in_one_line():
+    """OLMoE trained with a router z-loss (router_z_loss_coef), which transformers'
+    OlmoeForCausalLM never adds to its loss (LM + router_aux_loss_coef x the load-balancing
+    loss alone): left out in one line, model.moe.z_loss 0, the loss transformers computes."""
+    cfg = {**OLMOE, "router_z_loss_coef": 0.001}
+    assert hf_config.left_out(cfg) == [
+        "config.json: router_z_loss_coef=0.001 is left out: OlmoeForCausalLM adds no z-loss to "
+        "its loss, so model.moe.z_loss stays 0 (set --config.model.moe.z_loss=0.001 to train "
+        "with one; the model is the same)"]
+    assert hf_config.model_fields(cfg)["moe"]["z_loss"] == 0.0
+    assert hf_config.left_out(OLMOE) == []
