@@ -76,7 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
     e.aux_loss = 0.01
     e.z_loss = 0.0
     e.capacity = 0.0  # picks an expert takes, as a multiple of the even share; 0 = dropless
-    e.grouped = "auto"  # the grouped matmul: auto | ragged (jax.lax.ragged_dot) | blocks (CPU)
+    # the grouped matmul: auto | ragged (jax.lax.ragged_dot) | blocks (the CPU's) | dense
+    # (every expert on every token: a yardstick)
+    e.grouped = "auto"
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))
     m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)

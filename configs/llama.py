@@ -78,3 +78,16 @@ def smollm3_config(name: str, *, layers: int, d_model: int, ffn_dim: int, heads:
                         rope_theta=5e6, seq_len=65536)
     c.model.layer_types = repeat("full,full,full,full_nope", layers)
     return c
+
+
+def moe_config(c, *, experts: int, top_k: int, expert_dim: int = 0, renormalize: bool,
+               aux_loss: float, z_loss: float = 0.0):
+    """``c`` with every layer's MLP a mixture of ``experts`` SwiGLU experts, ``top_k`` a token
+    (model/moe.py): softmax over the experts, then the top k (renormalised to sum 1 or not, HF's
+    norm_topk_prob), dropless, ``aux_loss`` (router_aux_loss_coef) on transformers' load-balancing
+    loss. The MLP runs whole (model.mlp_chunk=0: the chunked MLP is the dense one)."""
+    c.model.mlp_chunk = 0
+    c.model.moe.update(num_experts=experts, top_k=top_k, expert_dim=expert_dim,
+                       router="softmax_topk", renormalize=renormalize, router_bias=False,
+                       aux_loss=aux_loss, z_loss=z_loss, capacity=0.0, grouped="auto")
+    return c

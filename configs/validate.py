@@ -61,6 +61,11 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(budget >= 0, f"train.memory_budget_gib={budget:g} must be >= 0 (0: the devices' own)")
     problem = rope.check(rope.from_config(m))
     _need(problem is None, f"model.{problem}")
+    _check_moe(m)
+    scope = m.get("qk_norm_scope", "head")
+    _need(scope in ("head", "projection"),
+          f"model.qk_norm_scope={scope!r} is not one of head, projection (q and k normed per "
+          f"head, or over the whole projection: OLMoE)")
 
     _need(a.impl in IMPLS, f"attention.impl={a.impl!r} is not one of {', '.join(IMPLS)}")
     _need(a.layout in LAYOUTS, f"attention.layout={a.layout!r} is not one of {', '.join(LAYOUTS)}")
@@ -80,6 +85,12 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
               f"use a tensor axis size that divides it")
     _need(m.ffn_dim % sizes["tensor"] == 0,
           f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tensor={sizes['tensor']}")
+    from model.flops import expert_dim
+    from model.moe import experts_of
+    if experts_of(m):  # each expert's width splits over tensor too (model/moe.py's shard_map)
+        _need(expert_dim(m) % sizes["tensor"] == 0,
+              f"model.moe.expert_dim={m.moe.expert_dim} (each expert's width: "
+              f"{expert_dim(m)}) is not divisible by mesh.tensor={sizes['tensor']}")
 
     _need(d.source in SOURCES, f"data.source={d.source!r} is not one of {', '.join(SOURCES)}")
     _need(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
@@ -195,6 +206,40 @@ def _check_dpo(p):
           f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the chance a label is "
           f"flipped; 0: plain DPO)")
     _need(p.rpo_alpha >= 0, f"dpo.rpo_alpha={p.rpo_alpha} must be >= 0 (0: no SFT term)")
+
+
+def _check_moe(m):
+    """A mixture of experts' fields (``model.moe``; model/moe.py). num_experts 0 is the dense
+    MLP: the other fields are then not read, and not checked."""
+    from model.moe import GROUPED, ROUTERS
+    e = m.get("moe", None)
+    if e is None:  # a config from before the field: dense
+        return
+    n = e.num_experts
+    _need(isinstance(n, int) and n >= 0,
+          f"model.moe.num_experts={n!r} must be an int >= 0 (0: the dense MLP)")
+    if n == 0:
+        return
+    _need(isinstance(e.top_k, int) and 1 <= e.top_k <= n,
+          f"model.moe.top_k={e.top_k!r} must be an int in [1, {n}] (experts per token, at most "
+          f"model.moe.num_experts={n})")
+    _need(e.expert_dim >= 0,
+          f"model.moe.expert_dim={e.expert_dim} must be >= 0 (each expert's hidden width; 0: "
+          f"model.ffn_dim)")
+    _need(e.router in ROUTERS, f"model.moe.router={e.router!r} is not one of {', '.join(ROUTERS)}")
+    _need(e.grouped in GROUPED,
+          f"model.moe.grouped={e.grouped!r} is not one of {', '.join(GROUPED)}")
+    _need(e.capacity >= 0,
+          f"model.moe.capacity={e.capacity} must be >= 0 (picks an expert takes as a multiple "
+          f"of its even share; 0: dropless)")
+    _need(not (e.capacity and e.grouped == "dense"),
+          f"model.moe.capacity={e.capacity} with model.moe.grouped=dense: dense computes every "
+          f"expert on every token and drops nothing; use capacity 0 or grouped auto, ragged, blocks")
+    for name in ("aux_loss", "z_loss"):
+        _need(e[name] >= 0, f"model.moe.{name}={e[name]} must be >= 0 (the loss's weight; 0: off)")
+    _need(not m.mlp_chunk,
+          f"model.mlp_chunk={m.mlp_chunk} with model.moe.num_experts={n}: the chunked MLP is "
+          f"the dense one; set model.mlp_chunk=0 for a mixture of experts")
 
 
 def _check_tiles(kernel, a, m, seq_len, n, platform):

@@ -2,7 +2,13 @@
 
 Attention is counted layer by layer (``model.layer_types``, model/pattern.py): a model whose
 sliding layers (Gemma 3's 5 of every 6) see W keys costs less than one whose layers all see
-the whole row."""
+the whole row.
+
+A mixture of experts (``model.moe``, model/moe.py) counts every expert in the parameters
+(``param_count``: what the state holds, what the log and the planner print) and only the
+token's ``top_k`` experts and the router in the FLOPs (``matmul_params``, ``flops_per_token``:
+what MFU divides by); ``active_param_count`` is the parameters a token meets (the "A3B" of
+Qwen3-30B-A3B) and ``total_matmul_params`` every matmul weight (what FSDP gathers)."""
 from __future__ import annotations
 
 import collections
@@ -27,24 +33,68 @@ def window_counts(m) -> dict[int, int]:
     return dict(sorted(counts.items(), key=lambda kv: (kv[0] != 0, kv[0])))
 
 
+def _moe(m):
+    """``model.moe`` when the MLP slot holds a mixture of experts (num_experts > 0), else None
+    (a config from before the field is dense). Read here, not from model/moe.py: no jax."""
+    e = m.get("moe", None)
+    return e if e is not None and int(e.get("num_experts", 0) or 0) > 0 else None
+
+
+def expert_dim(m) -> int:
+    """Each expert's hidden width (``model.moe.expert_dim``; 0: ``model.ffn_dim``)."""
+    e = _moe(m)
+    return int(e.get("expert_dim", 0) or m.ffn_dim) if e is not None else m.ffn_dim
+
+
+def experts(m) -> tuple[int, int]:
+    """(experts a token uses, experts a layer holds): (1, 1) for a dense MLP."""
+    e = _moe(m)
+    return (int(e.top_k), int(e.num_experts)) if e is not None else (1, 1)
+
+
+def _attention_matmul(m) -> int:
+    return m.d_model * head_dim(m) * (2 * m.num_heads + 2 * m.num_kv_heads)  # wq, wo, wk, wv
+
+
+def _mlp_matmul(m, active: bool) -> int:
+    """A layer's MLP matmul weights: a dense SwiGLU's 3 D F; a mixture of experts' router D E
+    and its experts' 3 D F each, every expert (``active=False``) or a token's top k."""
+    if _moe(m) is None:
+        return 3 * m.d_model * m.ffn_dim  # w_gate, w_up, w_down
+    k, n = experts(m)
+    return m.d_model * n + (k if active else n) * 3 * m.d_model * expert_dim(m)
+
+
+def _router_bias(m) -> int:
+    e = _moe(m)
+    return int(e.num_experts) if e is not None and e.get("router_bias", False) else 0
+
+
 def param_count(m) -> int:
-    """Exact parameter count of model.Decoder for model config ``m``."""
-    hd = head_dim(m)
-    attn = m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads)  # wq, wo, wk, wv
-    attn += _qkv_biases(m)
-    mlp = 3 * m.d_model * m.ffn_dim  # w_gate, w_up, w_down
+    """Exact parameter count of model.Decoder for model config ``m`` (every expert counted)."""
+    attn = _attention_matmul(m) + _qkv_biases(m)
+    mlp = _mlp_matmul(m, active=False) + _router_bias(m)
     embed_and_head = (1 if _tied(m) else 2) * m.vocab_size * m.d_model
     return m.num_layers * (attn + mlp + _layer_norms(m)) + embed_and_head + m.d_model  # + final norm
 
 
+def active_param_count(m) -> int:
+    """Parameters one token's forward reads: ``param_count`` less the experts the router did
+    not pick (each layer's ``num_experts - top_k``); a dense model's whole count."""
+    k, n = experts(m)
+    return param_count(m) - m.num_layers * (n - k) * 3 * m.d_model * expert_dim(m)
+
+
 def _layer_norms(m) -> int:
     """Norm weights per layer: the two pre-norms (d_model each), Gemma's two sandwich post-norms
-    (``model.sandwich_norms``) and the q and k norms over a head's dims (``model.qk_norm``)."""
+    (``model.sandwich_norms``) and the q and k norms (``model.qk_norm``): over a head's dims,
+    or over the whole q and k projections (``model.qk_norm_scope=projection``, OLMoE)."""
     norms = 2 * m.d_model
     if m.get("sandwich_norms", False):
         norms += 2 * m.d_model
     if m.get("qk_norm", False):
-        norms += 2 * head_dim(m)
+        whole = str(m.get("qk_norm_scope", "head")) == "projection"
+        norms += head_dim(m) * ((m.num_heads + m.num_kv_heads) if whole else 2)
     return norms
 
 
@@ -59,10 +109,20 @@ def _tied(m) -> bool:
 
 def matmul_params(m) -> int:
     """Parameters that take part in a matmul per token (everything but norms, biases and the
-    embedding lookup; a tied table counts once, as the head)."""
-    lookup = 0 if _tied(m) else m.vocab_size * m.d_model
-    return (param_count(m) - lookup - m.num_layers * (_layer_norms(m) + _qkv_biases(m))
-            - m.d_model)
+    embedding lookup; a tied table counts once, as the head): with a mixture of experts the
+    router and the token's ``top_k`` experts, not the others. 6x this is the matmuls' FLOPs."""
+    return m.num_layers * (_attention_matmul(m) + _mlp_matmul(m, active=True)) + m.vocab_size * m.d_model
+
+
+def total_matmul_params(m) -> int:
+    """Every matmul weight, each expert's included (what FSDP gathers); ``matmul_params`` for a
+    dense model."""
+    return m.num_layers * (_attention_matmul(m) + _mlp_matmul(m, active=False)) + m.vocab_size * m.d_model
+
+
+def mlp_matmul_params(m) -> int:
+    """A layer's MLP matmul parameters per token (a mixture of experts: router and top k)."""
+    return _mlp_matmul(m, active=True)
 
 
 def attention_keys(seq_len: int, window: int = 0, causal: bool = True) -> float:
@@ -88,6 +148,6 @@ def attention_flops_per_token(m, seq_len: int, causal: bool = True, window=None)
 
 
 def flops_per_token(m, seq_len: int, causal: bool = True, window=None) -> float:
-    """Model FLOPs per trained token: 6 N (matmul params) plus attention, with the causal half
-    (and each layer's sliding window)."""
+    """Model FLOPs per trained token: 6 N (matmul params: a mixture of experts' router and
+    top k experts only) plus attention, with the causal half (and each layer's sliding window)."""
     return 6 * matmul_params(m) + attention_flops_per_token(m, seq_len, causal, window)

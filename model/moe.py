@@ -85,6 +85,9 @@ def grouped_matmul(x_ND, w_EDF, sizes_E, impl: str):
     block_group = jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(blocks) * b, side="right")
     block_group = jnp.minimum(block_group, E - 1).astype(jnp.int32)
 
+    # under remat: the backward would otherwise keep each block's expert weights ([blocks, D,
+    # F]: a copy of the stack per block), where it needs only the block's rows and its index
+    @jax.checkpoint
     def step(_, a):
         x_bD, g = a
         return None, x_bD @ jax.lax.dynamic_index_in_dim(w_EDF, g, keepdims=False)
@@ -186,25 +189,36 @@ class MoE(nnx.Module):
         are summed over the devices, so they are the whole batch's."""
         from jax.sharding import PartitionSpec as P
         from model.chunks import TOKEN_AXES, cast_before_gather
-        from parallel.mesh import BATCH_AXES, batch_shards
-        weights = (self.router[...], None if self.router_bias is None else self.router_bias[...],
-                   *(cast_before_gather(w[...], self.dtype)
-                     for w in (self.w_gate, self.w_up, self.w_down)))
+        from parallel.mesh import BATCH_AXES, batch_shards, fit_spec, logical_to_spec
+        experts = tuple(cast_before_gather(w[...], self.dtype)
+                        for w in (self.w_gate, self.w_up, self.w_down))
+        router = (self.router[...], None if self.router_bias is None else self.router_bias[...])
         B, L, _ = x_BLD.shape
         mesh = self.mesh
         if mesh is None or B % batch_shards(mesh) or L % mesh.shape["sequence"]:
-            return self.local(weights, x_BLD, real_BL, None)
+            return self.local((*router, *experts), x_BLD, real_BL, None)
+        # the experts come in as they are stored (split by expert over fsdp x sequence, by
+        # width over tensor) and are gathered inside: the gather's backward reduce-scatters
+        # their gradients, where a gather before the shard_map would all-reduce them whole
+        stored = [fit_spec(logical_to_spec(w.get_metadata()["axes"]), a.shape, mesh)
+                  for w, a in zip((self.w_gate, self.w_up, self.w_down), experts)]
 
-        def local(weights, x_BLD, real_BL):
-            weights = jax.tree.map(lambda w: jax.lax.pcast(w, TOKEN_AXES, to="varying"), weights)
-            y_BLD, stats = self.local(weights, x_BLD, real_BL, "tensor")
+        def local(router, experts, x_BLD, real_BL):
+            router = jax.tree.map(lambda w: jax.lax.pcast(w, TOKEN_AXES, to="varying"), router)
+            whole = []
+            for w, spec in zip(experts, stored):
+                over = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+                w = jax.lax.all_gather(w, over, axis=0, tiled=True) if over else w
+                rest = tuple(a for a in TOKEN_AXES if a not in over)
+                whole.append(jax.lax.pcast(w, rest, to="varying") if rest else w)
+            y_BLD, stats = self.local((*router, *whole), x_BLD, real_BL, "tensor")
             return y_BLD, jax.tree.map(lambda s: jax.lax.psum(s, TOKEN_AXES), stats)
 
         tokens = P(BATCH_AXES, "sequence")
-        specs = (P(), None if self.router_bias is None else P(), P(None, None, "tensor"),
-                 P(None, None, "tensor"), P(None, "tensor", None))
-        return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(*tokens, None), tokens),
-                             out_specs=(P(*tokens, None), P()))(weights, x_BLD, real_BL)
+        router_specs = (P(), None if self.router_bias is None else P())
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(router_specs, tuple(stored), P(*tokens, None), tokens),
+                             out_specs=(P(*tokens, None), P()))(router, experts, x_BLD, real_BL)
 
     def local(self, weights, x_BLD, real_BL, tensor_axis):
         """``__call__`` on one device's tokens (or the whole batch's, off a mesh), with

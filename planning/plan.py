@@ -62,7 +62,9 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
     import jax
 
     from model import pattern
-    from model.flops import attention_flops_per_token, flops_per_token, matmul_params, param_count
+    from model.moe import experts_of as moe_experts
+    from model.flops import (active_param_count, attention_flops_per_token, expert_dim,
+                             experts, flops_per_token, matmul_params, param_count)
     from planning.program import compile_step, planned_config
 
     if hardware not in hwlib.HARDWARE:
@@ -90,6 +92,11 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         "microbatches": base.train.microbatches, "loss_chunk": base.train.loss_chunk,
         "mlp_chunk": base.model.mlp_chunk,
         "params": param_count(m),  # equal to the built decoder's count (tests/test_params.py)
+        # a mixture of experts: the parameters a token's forward reads (its top k experts), what
+        # the FLOPs and the MFU count; every expert is in "params" and in the compiled memory
+        "active_params": active_param_count(m),
+        "moe": ({"num_experts": experts(m)[1], "top_k": experts(m)[0], "expert_dim": expert_dim(m)}
+                if moe_experts(m) else None),
         "num_layers": m.num_layers,
         # each layer's attention (model.layer_types): the step time and FLOPs sum them
         "layer_pattern": pattern.describe(m),

@@ -7,6 +7,7 @@ per-device buffers (one SPMD program per device).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -58,13 +59,17 @@ def planned_config(config, seq_len: int, global_rows: int, mesh_sizes: dict, rem
     """The config a run would use: accelerator dtype, the planned shape, mesh and remat.
 
     ``auto`` resolves to bf16 (what a GPU/TPU run computes in) rather than to the CPU's fp32,
-    so that activations are planned at the accelerator's size; parameters stay fp32."""
+    so that activations are planned at the accelerator's size; parameters stay fp32. A mixture
+    of experts' ``grouped=auto`` resolves to ragged (jax.lax.ragged_dot), as on a GPU/TPU."""
     c = copy.deepcopy(config)
     with c.unlocked():
         if c.model.dtype == "auto":
             c.model.dtype = "bfloat16"
         if remat:
             c.model.remat = remat
+        moe = c.model.get("moe", None)
+        if moe is not None and moe.get("num_experts", 0) and moe.get("grouped", "auto") == "auto":
+            moe.grouped = "ragged"  # what auto is on a GPU/TPU (compiled here as ragged_stand_in)
         c.data.seq_len = seq_len
         c.data.batch_size = global_rows
         for axis, size in mesh_sizes.items():
@@ -86,8 +91,46 @@ def shard_bytes(tree) -> int:
     return total
 
 
+def ragged_stand_in(x_ND, w_EDF, sizes_E, impl: str):
+    """What the planner compiles for a mixture of experts' ``jax.lax.ragged_dot`` on CPU devices.
+
+    XLA:CPU has no ragged-dot instruction, and JAX's CPU lowering of it multiplies every row by
+    every expert (a masked [E, N, D] copy of the rows: E times a GPU's FLOPs and memory;
+    docs/moe.md has the Qwen3-30B-A3B plan that way), while the CPU's own scan over blocks
+    (``model.moe.grouped=blocks``) pads each expert's rows to whole blocks and keeps a
+    [blocks, D, F] copy of the weights for its backward. This stand-in has ragged_dot's shapes
+    and costs instead: each of a device's N rows times one D x F expert (the FLOPs), the output
+    [N, F], the weights' gradient [E, D, F], the whole stack (gathered to the device by the
+    MoE's shard_map, model/moe.py) read by one index the compiler cannot know."""
+    if impl != "ragged":
+        return _GROUPED_MATMUL(x_ND, w_EDF, sizes_E, impl)
+    import jax.numpy as jnp
+    g = jnp.argmax(sizes_E)  # a value the compiler cannot know: the stack is read whole
+    return x_ND @ jax.lax.dynamic_index_in_dim(w_EDF, g, keepdims=False)
+
+
+_GROUPED_MATMUL = None
+
+
+@contextlib.contextmanager
+def _planned_experts(devices):
+    """``ragged_stand_in`` in place of ``model.moe.grouped_matmul`` while the step is traced on
+    CPU devices (a GPU or TPU lowers ragged_dot itself)."""
+    global _GROUPED_MATMUL
+    from model import moe
+    if devices[0].platform != "cpu" or moe.grouped_matmul is ragged_stand_in:
+        yield
+        return
+    _GROUPED_MATMUL, moe.grouped_matmul = moe.grouped_matmul, ragged_stand_in
+    try:
+        yield
+    finally:
+        moe.grouped_matmul = _GROUPED_MATMUL
+
+
 def compile_step(config, devices, compiler_options=None) -> Compiled:
-    """Lowers and compiles the train step of ``config`` over ``devices`` (no weights made)."""
+    """Lowers and compiles the train step of ``config`` over ``devices`` (no weights made); a
+    mixture of experts' ragged_dot as ``ragged_stand_in`` on CPU devices."""
     from parallel.mesh import make_mesh
     from training.state import Trainer
 
@@ -95,7 +138,8 @@ def compile_step(config, devices, compiler_options=None) -> Compiled:
     mesh = make_mesh(config.mesh, devices)
     trainer = Trainer(config, mesh)
     batch = abstract_batch(trainer, config.data.batch_size, config.data.seq_len)
-    lowered = trainer.train_step.lower(trainer.abstract_state, batch)
+    with _planned_experts(devices):
+        lowered = trainer.train_step.lower(trainer.abstract_state, batch)
     t1 = time.perf_counter()
     opts = PLAN_COMPILER_OPTIONS if compiler_options is None else compiler_options
     compiled = lowered.compile(compiler_options=opts)

@@ -43,6 +43,7 @@ def _seconds(s) -> str:
 def markdown(plan: dict) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items())
     a = plan["attention"]
+    moe = plan.get("moe")
     lines = [
         f"## Plan: {plan['config']} on {plan['num_devices']} x {plan['hardware']} ({mesh})",
         "",
@@ -56,11 +57,15 @@ def markdown(plan: dict) -> str:
         "",
         "| quantity | value |",
         "|---|---|",
-        f"| parameters | {plan['params']:,} ({_si(plan['params'])}) |",
+        f"| parameters{', every expert' if moe else ''} | {plan['params']:,} ({_si(plan['params'])}) |",
+        *([f"| parameters a token reads ({moe['top_k']} of {moe['num_experts']} experts of "
+           f"{moe['expert_dim']:,}) | {plan['active_params']:,} ({_si(plan['active_params'])}) |"]
+          if moe else []),
         *([f"| layers | {plan['num_layers']}: {plan['layer_pattern']} |"]
           if plan.get("layer_pattern_mixed") else []),
         f"| FLOPs/token, model (6N + causal attention) | {_si(plan['flops_per_token']['model'])} |",
-        f"| FLOPs/token, matmuls 6N | {_si(plan['flops_per_token']['matmul'])} |",
+        f"| FLOPs/token, matmuls 6N{' (N: router and the top k experts, not all)' if moe else ''} "
+        f"| {_si(plan['flops_per_token']['matmul'])} |",
         f"| FLOPs/token, attention with the causal half (without) | "
         f"{_si(plan['flops_per_token']['attention'])} "
         f"({_si(plan['flops_per_token']['attention_noncausal'])}) |",

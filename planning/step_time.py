@@ -35,7 +35,8 @@ import dataclasses
 
 import numpy as np
 
-from model.flops import flops_per_token, head_dim, matmul_params, window_counts
+from model.flops import (flops_per_token, head_dim, matmul_params, mlp_matmul_params,
+                         total_matmul_params, window_counts)
 from parallel.schedule import strategy_rounds, work
 from parallel.strategies import IMPLS
 from parallel.window import reach
@@ -132,12 +133,13 @@ def _rounds_time(busiest: np.ndarray, s: Shape, hw: Hardware, ring_bw: float, re
 def recomputed_matmul_params(config, remat: str) -> int:
     """Matmul parameters per token whose forward the backward runs again, as the trainer does:
     the head always (the loss runs its chunks under remat, model/loss.py), every layer's
-    matmuls under full remat, else the MLP's when it runs in chunks (model.mlp_chunk)."""
+    matmuls under full remat, else the MLP's when it runs in chunks (model.mlp_chunk). A
+    mixture of experts' are its router's and a token's top k experts' (model/flops.py)."""
     m = config.model
     head = m.d_model * m.vocab_size
     if remat in RECOMPUTES_MATMULS:
         return matmul_params(m)
-    return head + (m.num_layers * 3 * m.d_model * m.ffn_dim if m.get("mlp_chunk", 0) else 0)
+    return head + (m.num_layers * mlp_matmul_params(m) if m.get("mlp_chunk", 0) else 0)
 
 
 def _a2a_bytes(s: Shape, u: int) -> tuple[float, float]:
@@ -253,11 +255,12 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
             comm += c.count * coll.link_traffic(c) / bw
     else:
         # Without a compiled program: FSDP gathers the bf16 weights for the forward and again
-        # for the backward and reduce-scatters fp32 gradients, each (n-1)/n of the weights.
+        # for the backward and reduce-scatters fp32 gradients, each (n-1)/n of the weights
+        # (a mixture of experts: every expert's, not only the active ones).
         f = mesh_sizes["fsdp"]
         if f > 1:
             share = (f - 1) / f / mesh_sizes["tensor"]
-            traffic = share * (2 * 2 + 4) * matmul_params(m)
+            traffic = share * (2 * 2 + 4) * total_matmul_params(m)
             comm = traffic / link_bandwidth(hw, axis_crosses_nodes(mesh_sizes, "fsdp", hw))
         source = "analytic FSDP estimate"
     return {"compute_s": compute, "collectives_s": comm, "total_s": max(compute, comm),

@@ -129,3 +129,51 @@ def test_qk_norm_sandwich_norms_and_a_mixed_stack_are_counted_exactly():
     counted = _built_count(m)
     assert counted == param_count(m) == plain + m.num_layers * (2 * 16 + 2 * m.d_model)
     assert matmul_params(m) == plain_matmul
+
+
+@pytest.mark.parametrize("name,dims,expected,active", [
+    # (layers, d_model, heads, kv heads, head_dim, vocab, experts, top_k, expert width):
+    # Mixtral-8x7B's, Qwen3-30B-A3B's and OLMoE-1B-7B's released counts (46.7B, 12.9B active;
+    # 30.5B, 3.3B active; 6.9B, 1.3B active: its q/k norms over the whole projection,
+    # model.qk_norm_scope=projection, 2048 weights each a layer).
+    ("mixtral_8x7b", (32, 4096, 32, 8, 128, 32000, 8, 2, 14336), 46_702_792_704, 12_879_925_248),
+    ("qwen3_30b_a3b", (48, 2048, 32, 4, 128, 151936, 128, 8, 768), 30_532_122_624, 3_353_032_704),
+    ("olmoe_1b_7b", (16, 2048, 16, 16, 128, 50304, 64, 8, 1024), 6_919_161_856, 1_282_017_280),
+])
+def test_moe_param_counts_are_the_released_models(name, dims, expected, active):
+    """Every expert in param_count (the built decoder's count), a token's top k in the active
+    count and in the matmul parameters (6x: the FLOPs), every expert in total_matmul_params."""
+    from model.flops import active_param_count, matmul_params, total_matmul_params
+    m = importlib.import_module(f"configs.{name}").get_config().model
+    e = m.moe
+    assert (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size,
+            e.num_experts, e.top_k, e.expert_dim or m.ffn_dim) == dims
+    assert not m.tie_embeddings and m.mlp_chunk == 0
+    assert _built_count(m) == param_count(m) == expected
+    assert active_param_count(m) == active
+    layers, d, experts, k, f = dims[0], dims[1], dims[6], dims[7], dims[8]
+    idle = layers * (experts - k) * 3 * d * f  # the experts a token does not use
+    assert total_matmul_params(m) - matmul_params(m) == idle == param_count(m) - active
+
+
+def test_moe_counts_a_dense_mlp_of_k_experts_plus_the_router_in_flops():
+    """An MoE's FLOPs per token are a dense model's whose MLP is top_k experts wide, plus the
+    router's D x E per layer; its parameters a dense model's of every expert, plus the router
+    (and its bias); the decoder built holds exactly that many."""
+    from model.flops import active_param_count, flops_per_token, matmul_params
+    m = importlib.import_module("configs.moe_tiny").get_config().model
+    e = m.moe
+    e.update(num_experts=6, top_k=3, expert_dim=40, router_bias=True)
+    layers, d, n, k, f = m.num_layers, m.d_model, 6, 3, 40
+    dense = importlib.import_module("configs.tiny").get_config().model
+    dense.ffn_dim = k * f
+    router = layers * d * n
+    assert matmul_params(m) == matmul_params(dense) + router
+    assert flops_per_token(m, 512) == flops_per_token(dense, 512) + 6 * router
+    dense.ffn_dim = n * f
+    assert _built_count(m) == param_count(m) == param_count(dense) + router + layers * n
+    assert active_param_count(m) == param_count(m) - layers * (n - k) * 3 * d * f
+    e.num_experts = 0  # the dense MLP of model.ffn_dim again: every count as tiny's
+    tiny = importlib.import_module("configs.tiny").get_config().model
+    assert (param_count(m), matmul_params(m), active_param_count(m)) == (
+        param_count(tiny), matmul_params(tiny), param_count(tiny))

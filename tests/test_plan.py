@@ -605,3 +605,53 @@ def test_the_new_families_plan_at_their_native_length_on_8_gpus(name, seq_len, p
     assert kinds == ({"full", f"sliding (W={config.model.sliding_window})"}
                      if name.startswith("gemma3") else {"full"})
     assert plan["fastest"] in plan["strategies"]
+
+
+def test_ragged_stand_in_has_ragged_dots_shapes_and_flops_not_every_experts():
+    """What the planner compiles for jax.lax.ragged_dot on CPU devices (planning/program.py):
+    its output and gradients have ragged_dot's shapes, and its FLOPs are a row's one expert,
+    where JAX's CPU lowering of ragged_dot multiplies every row by every expert."""
+    from planning.program import ragged_stand_in
+    n, d, f, e = 64, 16, 8, 4
+    x, w = jnp.ones((n, d)), jnp.ones((e, d, f))
+    sizes = jnp.array([16, 8, 24, 16], jnp.int32)
+    loss = lambda fn: lambda x, w: fn(x, w, sizes).sum()  # noqa: E731
+    stand_in = lambda x, w, s: ragged_stand_in(x, w, s, "ragged")  # noqa: E731
+    for fn in (stand_in, jax.lax.ragged_dot):
+        y = jax.eval_shape(fn, x, w, sizes)
+        grads = jax.eval_shape(jax.grad(loss(fn), argnums=(0, 1)), x, w)
+        assert y.shape == (n, f) and [g.shape for g in grads] == [(n, d), (e, d, f)]
+    cost = lambda fn: jax.jit(fn).lower(x, w, sizes).compile().cost_analysis()["flops"]  # noqa: E731
+    assert cost(stand_in) == pytest.approx(2 * n * d * f, rel=0.01)  # and an argmax of e
+    assert cost(jax.lax.ragged_dot) >= e * 2 * n * d * f
+
+
+def test_a_moe_plan_holds_every_expert_and_counts_the_active_flops():
+    """A mixture of experts planned and compiled on 8 devices: its memory holds every expert
+    (split over fsdp x sequence), its FLOPs and MFU count a token's top k, its report says both;
+    grouped=auto compiles as a GPU's ragged_dot (the stand-in, put back after)."""
+    from model import moe
+    from planning.report import markdown
+    grouped = moe.grouped_matmul
+    config = importlib.import_module("configs.moe_tiny").get_config()
+    config.model.num_layers = 1
+    m, mesh = config.model, {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+    plan = make_plan(config, mesh, 256, 1, "h100", layouts=("zigzag",), impls=None)
+    assert moe.grouped_matmul is grouped
+    program = plan["_programs"][plan["remat"]]
+    assert program.config.model.moe.grouped == "ragged" and config.model.moe.grouped == "auto"
+    assert plan["params"] == flops.param_count(m) > plan["active_params"] == flops.active_param_count(m)
+    experts = 3 * m.moe.num_experts * m.d_model * m.moe.expert_dim  # one layer's, fp32
+    assert plan["memory"][plan["remat"]]["params"] >= 4 * experts / 8  # a device's share of them
+    assert plan["flops_per_token"]["matmul"] == 6 * flops.matmul_params(m)
+    assert plan["flops_per_token"]["model"] == flops.flops_per_token(m, 256)
+    z = plan["layouts"]["zigzag"]
+    assert z["mfu_bound"] == pytest.approx(
+        flops.flops_per_token(m, 256) * 512 / (8 * HARDWARE["h100"].peak_flops * z["projected_step_s"]))
+    # without a compiled program, FSDP gathers every expert's weights (bf16 twice, fp32 grads)
+    h100 = HARDWARE["h100"]
+    fsdp = step_time.dense_time(program.config, 8, 2, h100, "full", None, mesh)["collectives_s"]
+    assert fsdp == pytest.approx(0.5 * 8 * flops.total_matmul_params(m) / h100.link_bytes_s)
+    text = markdown(plan)
+    assert f"| parameters, every expert | {plan['params']:,} " in text
+    assert f"| parameters a token reads (2 of 8 experts of 176) | {plan['active_params']:,} " in text

@@ -158,3 +158,44 @@ def test_the_entry_stops_in_one_line_with_exit_code_2(tmp_path, capsys, flag, ov
     from training.entry import main_with_errors
     code = main_with_errors(cfg(**overrides), tmp_path / "run", Place("one process"))
     one_error_line(code, capsys.readouterr().err, message, tmp_path / "run")
+
+
+def moe_cfg(**moe):
+    c = tiny.get_config()
+    c.model.moe.update(num_experts=8, top_k=2)
+    c.model.moe.update(**moe)
+    return c
+
+
+@pytest.mark.parametrize("moe,model,message", [
+    ({"num_experts": -1}, {}, "model.moe.num_experts=-1 must be an int >= 0 (0: the dense MLP)"),
+    ({"top_k": 0}, {}, "model.moe.top_k=0 must be an int in [1, 8] (experts per token, at most model.moe.num_experts=8)"),
+    ({"top_k": 9}, {}, "model.moe.top_k=9 must be an int in [1, 8]"),
+    ({"expert_dim": -2}, {}, "model.moe.expert_dim=-2 must be >= 0 (each expert's hidden width; 0: model.ffn_dim)"),
+    ({"router": "sigmoid"}, {}, "model.moe.router='sigmoid' is not one of softmax_topk, topk_softmax"),
+    ({"grouped": "cutlass"}, {}, "model.moe.grouped='cutlass' is not one of auto, ragged, blocks, dense"),
+    ({"capacity": -1.0}, {}, "model.moe.capacity=-1.0 must be >= 0 (picks an expert takes as a multiple of its even share; 0: dropless)"),
+    ({"capacity": 1.25, "grouped": "dense"}, {}, "model.moe.capacity=1.25 with model.moe.grouped=dense: dense computes every expert"),
+    ({"aux_loss": -0.01}, {}, "model.moe.aux_loss=-0.01 must be >= 0 (the loss's weight; 0: off)"),
+    ({"z_loss": -1e-3}, {}, "model.moe.z_loss=-0.001 must be >= 0"),
+    ({}, {"mlp_chunk": 128}, "model.mlp_chunk=128 with model.moe.num_experts=8: the chunked MLP is the dense one; set model.mlp_chunk=0 for a mixture of experts"),
+    ({"expert_dim": 3}, {}, "model.moe.expert_dim=3 (each expert's width: 3) is not divisible by mesh.tensor=2"),
+    ({"num_experts": 0}, {"qk_norm": True, "qk_norm_scope": "projections"}, "model.qk_norm_scope='projections' is not one of head, projection"),
+])
+def test_bad_moe_value_gives_one_clear_line(moe, model, message):
+    c = moe_cfg(**moe)
+    c.model.update(**model)
+    if "mesh.tensor" in message:
+        c.mesh.update(fsdp=1, tensor=2)
+    with pytest.raises(ConfigError) as e:
+        validate(c, 8)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_moe_fields_are_read_only_with_experts():
+    """num_experts 0 (dense) reads no other model.moe field; the MoE configs validate."""
+    import importlib
+    c = moe_cfg(num_experts=0, top_k=0, router="none", grouped="none")
+    c.model.mlp_chunk = 128
+    validate(c, 8)
+    validate(importlib.import_module("configs.moe_tiny").get_config(), 8)

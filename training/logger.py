@@ -37,13 +37,18 @@ class MetricsLogger:
             return
         self._append("metrics.jsonl", record)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+            aux = {"aux": f"{record['aux_loss']:.4f}"} if "aux_loss" in record else {}
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", **aux,
+                                 tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
         else:  # a log file or a launcher's pipe: one plain line per logged step
             elapsed = time.perf_counter() - self.started
             step = record["step"]
             eta = elapsed / max(step - self.first_step, 1) * (self.total - step)
-            self.write(f"step {step}/{self.total} loss {record['loss']:.4f} "
+            # a mixture of experts' load-balancing loss and busiest expert (model/moe.py)
+            moe = (f"aux {record['aux_loss']:.4f} load {record['expert_load']:.2f} "
+                   if "aux_loss" in record else "")
+            self.write(f"step {step}/{self.total} loss {record['loss']:.4f} {moe}"
                        f"tokens/s {record['tokens_per_s']:.0f} mfu {100 * record['mfu']:.1f}% "
                        f"eta {eta:.0f}s")
         if self.run is not None:

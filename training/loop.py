@@ -12,7 +12,7 @@ from checkpoints.manager import Checkpoints
 from checkpoints.preemption import StopOnSignal, should_stop
 from checkpoints.resume import run_meta, start_state
 from errors import ConfigError
-from model.flops import flops_per_token, param_count
+from model.flops import active_param_count, experts, flops_per_token, param_count
 from parallel.mesh import make_mesh
 from training import watchdog as watchdogs
 from training.divergence import Diverged, Divergence  # noqa: F401  (Diverged: entry.py's)
@@ -171,7 +171,10 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     peak = peak_flops_total(override_tflops=t.peak_tflops)
     from model import pattern
     layers = f"layers {pattern.describe(m)}; " if m.get("layer_types", "") else ""
-    log.write(f"model: {param_count(m) / 1e6:.1f}M params, {layers}{flops_tok:.3g} FLOP/token; "
+    k, n = experts(m)  # a mixture of experts: FLOPs (and MFU) count a token's k experts only
+    active = (f" ({active_param_count(m) / 1e6:.1f}M active: {k} of {n} experts a token)"
+              if n > 1 else "")
+    log.write(f"model: {param_count(m) / 1e6:.1f}M params{active}, {layers}{flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
               f"{config.attention.layout}, kernel {kernel_note(trainer, mesh, config)}; "
               f"{tokens_per_step} tokens/step"
