@@ -106,6 +106,12 @@ SLOW = {
     "test_eval_passkey.py::test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_not":
         "600+ training steps",
     "test_state.py": "train steps on several meshes, microbatches, 12 bf16 steps",
+    "test_moe.py::test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp":
+        "an MoE's train step on one device and on three meshes of 8",
+    "test_moe.py::test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens":
+        "an MoE's train step in 2 microbatches",
+    "test_plan.py::test_a_moe_plan_holds_every_expert_and_counts_the_active_flops":
+        "an MoE's step compiled for 8 devices",
     "test_plan.py::test_chunked_loss_and_microbatches_lower_the_compiled_memory": "4 train steps compiled",
     "test_remat.py::test_less_recompute_needs_more_memory": "3 train steps compiled",
     "test_profile.py::test_profile_of_a_cpu_step_adds_up_to_the_step": "a traced train step",
@@ -166,6 +172,12 @@ NEXT = {
     "test_allgather.py::test_allgather_traffic": "collectives in the compiled program",
     "test_window.py::test_early_stop_sends_fewer_hops": "the early-stopped ring's ppermutes",
     "test_window.py::test_window_in_every_strategy[allgather-4-None-heads1]": "a windowed gather",
+    # a mixture of experts: ragged_dot, the block scan, its shard_map (all_gather of the
+    # stored experts, psum of the router statistics) in a ring, usp and tensor parallelism
+    "test_moe.py::test_router_dispatch_and_experts_are_the_dense_float64_reference":
+        "ragged_dot, top_k and the remat'd block scan",
+    "test_moe.py::test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp":
+        "the MoE's shard_map on three meshes",
     # the Flax NNX model, its layer scan, remat and host offload; the sharded train step
     "test_model.py::test_shapes_and_dtype": "NNX modules and the scanned stack",
     "test_model.py::test_layout_permutation_is_invisible[striped-2]": "the model on a mesh",
