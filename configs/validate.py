@@ -85,9 +85,8 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
               f"use a tensor axis size that divides it")
     _need(m.ffn_dim % sizes["tensor"] == 0,
           f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tensor={sizes['tensor']}")
-    from model.flops import expert_dim
-    from model.moe import experts_of
-    if experts_of(m):  # each expert's width splits over tensor too (model/moe.py's shard_map)
+    from model.flops import expert_dim, num_experts
+    if num_experts(m):  # each expert's width splits over tensor too (model/moe.py's shard_map)
         _need(expert_dim(m) % sizes["tensor"] == 0,
               f"model.moe.expert_dim={m.moe.expert_dim} (each expert's width: "
               f"{expert_dim(m)}) is not divisible by mesh.tensor={sizes['tensor']}")

@@ -40,6 +40,13 @@ def _moe(m):
     return e if e is not None and int(e.get("num_experts", 0) or 0) > 0 else None
 
 
+def num_experts(m) -> int:
+    """``model.moe.num_experts`` of model config ``m``: 0 for a dense MLP, or a config from
+    before the field (model/moe.py and configs/validate.py read it here)."""
+    e = _moe(m)
+    return int(e.num_experts) if e is not None else 0
+
+
 def expert_dim(m) -> int:
     """Each expert's hidden width (``model.moe.expert_dim``; 0: ``model.ffn_dim``)."""
     e = _moe(m)

@@ -30,18 +30,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.flops import expert_dim, num_experts as experts_of  # noqa: F401 (layers, state)
 from model.weights import ACTIVATIONS, _bias, _param
 
 ROUTERS = ("softmax_topk", "topk_softmax")
-GROUPED = ("auto", "ragged", "blocks", "dense")  # dense: every expert on every token (a yardstick)
+# dense: every expert on every token (a yardstick). grouped_matmul also takes ragged_shape, the
+# planner's stand-in for ragged_dot on CPU devices (its shapes and costs, not its values), which
+# planning/program.py sets after validation: never a run's value.
+GROUPED = ("auto", "ragged", "blocks", "dense")
 GROUP_BLOCK = 128  # rows per block of the CPU's grouped matmul
-
-
-def experts_of(m) -> int:
-    """``model.moe.num_experts`` of model config ``m`` (0 for a config from before the field:
-    a dense MLP)."""
-    moe = m.get("moe", None)
-    return int(moe.get("num_experts", 0)) if moe is not None else 0
 
 
 def route(logits_TE, top_k: int, router: str = "softmax_topk", renormalize: bool = True):
@@ -73,6 +70,13 @@ def grouped_matmul(x_ND, w_EDF, sizes_E, impl: str):
     [N, F]."""
     if impl == "ragged":
         return jax.lax.ragged_dot(x_ND, w_EDF, sizes_E.astype(jnp.int32))
+    if impl == "ragged_shape":
+        # What scripts/plan.py compiles for ragged_dot on CPU devices: XLA:CPU has no ragged
+        # dot, and JAX's CPU lowering multiplies every row by every expert (E times a GPU's
+        # FLOPs and memory). Each row times one D x F expert, read from the whole stack by an
+        # index the compiler cannot know: ragged_dot's shapes, FLOPs and buffers, not its values.
+        g = jnp.argmax(sizes_E)
+        return x_ND @ jax.lax.dynamic_index_in_dim(w_EDF, g, keepdims=False)
     N, D = x_ND.shape
     E, _, F = w_EDF.shape
     b = GROUP_BLOCK
@@ -165,7 +169,7 @@ class MoE(nnx.Module):
 
     def __init__(self, m, dtype, rngs: nnx.Rngs, mesh=None):
         e = m.moe
-        E, F, D = int(e.num_experts), int(e.expert_dim or m.ffn_dim), m.d_model
+        E, F, D = experts_of(m), expert_dim(m), m.d_model
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
         self.router = _param(rngs, (D, E), ("embed", None), std)
         self.router_bias = _bias((E,), (None,)) if e.get("router_bias", False) else None

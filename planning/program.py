@@ -7,7 +7,6 @@ per-device buffers (one SPMD program per device).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -69,7 +68,7 @@ def planned_config(config, seq_len: int, global_rows: int, mesh_sizes: dict, rem
             c.model.remat = remat
         moe = c.model.get("moe", None)
         if moe is not None and moe.get("num_experts", 0) and moe.get("grouped", "auto") == "auto":
-            moe.grouped = "ragged"  # what auto is on a GPU/TPU (compiled here as ragged_stand_in)
+            moe.grouped = "ragged"  # what auto is on a GPU/TPU (compiled here as ragged_shape)
         c.data.seq_len = seq_len
         c.data.batch_size = global_rows
         for axis, size in mesh_sizes.items():
@@ -91,55 +90,23 @@ def shard_bytes(tree) -> int:
     return total
 
 
-def ragged_stand_in(x_ND, w_EDF, sizes_E, impl: str):
-    """What the planner compiles for a mixture of experts' ``jax.lax.ragged_dot`` on CPU devices.
-
-    XLA:CPU has no ragged-dot instruction, and JAX's CPU lowering of it multiplies every row by
-    every expert (a masked [E, N, D] copy of the rows: E times a GPU's FLOPs and memory;
-    docs/moe.md has the Qwen3-30B-A3B plan that way), while the CPU's own scan over blocks
-    (``model.moe.grouped=blocks``) pads each expert's rows to whole blocks and keeps a
-    [blocks, D, F] copy of the weights for its backward. This stand-in has ragged_dot's shapes
-    and costs instead: each of a device's N rows times one D x F expert (the FLOPs), the output
-    [N, F], the weights' gradient [E, D, F], the whole stack (gathered to the device by the
-    MoE's shard_map, model/moe.py) read by one index the compiler cannot know."""
-    if impl != "ragged":
-        return _GROUPED_MATMUL(x_ND, w_EDF, sizes_E, impl)
-    import jax.numpy as jnp
-    g = jnp.argmax(sizes_E)  # a value the compiler cannot know: the stack is read whole
-    return x_ND @ jax.lax.dynamic_index_in_dim(w_EDF, g, keepdims=False)
-
-
-_GROUPED_MATMUL = None
-
-
-@contextlib.contextmanager
-def _planned_experts(devices):
-    """``ragged_stand_in`` in place of ``model.moe.grouped_matmul`` while the step is traced on
-    CPU devices (a GPU or TPU lowers ragged_dot itself)."""
-    global _GROUPED_MATMUL
-    from model import moe
-    if devices[0].platform != "cpu" or moe.grouped_matmul is ragged_stand_in:
-        yield
-        return
-    _GROUPED_MATMUL, moe.grouped_matmul = moe.grouped_matmul, ragged_stand_in
-    try:
-        yield
-    finally:
-        moe.grouped_matmul = _GROUPED_MATMUL
-
-
 def compile_step(config, devices, compiler_options=None) -> Compiled:
     """Lowers and compiles the train step of ``config`` over ``devices`` (no weights made); a
-    mixture of experts' ragged_dot as ``ragged_stand_in`` on CPU devices."""
+    mixture of experts' ragged_dot as its stand-in on CPU devices (``model.moe.grouped=
+    ragged_shape``: model/moe.py grouped_matmul)."""
     from parallel.mesh import make_mesh
     from training.state import Trainer
 
     t0 = time.perf_counter()
+    moe = config.model.get("moe", None)
+    if devices[0].platform == "cpu" and moe is not None and moe.get("grouped", "") == "ragged":
+        config = copy.deepcopy(config)
+        with config.unlocked():
+            config.model.moe.grouped = "ragged_shape"
     mesh = make_mesh(config.mesh, devices)
     trainer = Trainer(config, mesh)
     batch = abstract_batch(trainer, config.data.batch_size, config.data.seq_len)
-    with _planned_experts(devices):
-        lowered = trainer.train_step.lower(trainer.abstract_state, batch)
+    lowered = trainer.train_step.lower(trainer.abstract_state, batch)
     t1 = time.perf_counter()
     opts = PLAN_COMPILER_OPTIONS if compiler_options is None else compiler_options
     compiled = lowered.compile(compiler_options=opts)

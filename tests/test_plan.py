@@ -608,15 +608,16 @@ def test_the_new_families_plan_at_their_native_length_on_8_gpus(name, seq_len, p
 
 
 def test_ragged_stand_in_has_ragged_dots_shapes_and_flops_not_every_experts():
-    """What the planner compiles for jax.lax.ragged_dot on CPU devices (planning/program.py):
-    its output and gradients have ragged_dot's shapes, and its FLOPs are a row's one expert,
-    where JAX's CPU lowering of ragged_dot multiplies every row by every expert."""
-    from planning.program import ragged_stand_in
+    """What the planner compiles for jax.lax.ragged_dot on CPU devices (model.moe.grouped=
+    ragged_shape, which planning/program.py sets): its output and gradients have ragged_dot's
+    shapes, and its FLOPs are a row's one expert, where JAX's CPU lowering of ragged_dot
+    multiplies every row by every expert."""
+    from model.moe import grouped_matmul
     n, d, f, e = 64, 16, 8, 4
     x, w = jnp.ones((n, d)), jnp.ones((e, d, f))
     sizes = jnp.array([16, 8, 24, 16], jnp.int32)
     loss = lambda fn: lambda x, w: fn(x, w, sizes).sum()  # noqa: E731
-    stand_in = lambda x, w, s: ragged_stand_in(x, w, s, "ragged")  # noqa: E731
+    stand_in = lambda x, w, s: grouped_matmul(x, w, s, "ragged_shape")  # noqa: E731
     for fn in (stand_in, jax.lax.ragged_dot):
         y = jax.eval_shape(fn, x, w, sizes)
         grads = jax.eval_shape(jax.grad(loss(fn), argnums=(0, 1)), x, w)
@@ -629,17 +630,14 @@ def test_ragged_stand_in_has_ragged_dots_shapes_and_flops_not_every_experts():
 def test_a_moe_plan_holds_every_expert_and_counts_the_active_flops():
     """A mixture of experts planned and compiled on 8 devices: its memory holds every expert
     (split over fsdp x sequence), its FLOPs and MFU count a token's top k, its report says both;
-    grouped=auto compiles as a GPU's ragged_dot (the stand-in, put back after)."""
-    from model import moe
+    grouped=auto compiles as a GPU's ragged_dot (its stand-in on CPU devices: ragged_shape)."""
     from planning.report import markdown
-    grouped = moe.grouped_matmul
     config = importlib.import_module("configs.moe_tiny").get_config()
     config.model.num_layers = 1
     m, mesh = config.model, {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
     plan = make_plan(config, mesh, 256, 1, "h100", layouts=("zigzag",), impls=None)
-    assert moe.grouped_matmul is grouped
     program = plan["_programs"][plan["remat"]]
-    assert program.config.model.moe.grouped == "ragged" and config.model.moe.grouped == "auto"
+    assert program.config.model.moe.grouped == "ragged_shape" and config.model.moe.grouped == "auto"
     assert plan["params"] == flops.param_count(m) > plan["active_params"] == flops.active_param_count(m)
     experts = 3 * m.moe.num_experts * m.d_model * m.moe.expert_dim  # one layer's, fp32
     assert plan["memory"][plan["remat"]]["params"] >= 4 * experts / 8  # a device's share of them
