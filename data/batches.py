@@ -66,14 +66,19 @@ class Batches:
                                   self.global_shape)
 
     def heldout_batches(self, n: int) -> list[dict]:
-        """The same ``n`` batches every call, from held-out documents only, spread evenly over
-        the held-out set so that a few batches sample all of it rather than its first documents
-        (consecutive, then repeated, when it fills fewer than ``n`` batches)."""
+        """The same batches every call (at most ``n``), from held-out documents only, spread
+        evenly over the held-out set so that a few batches sample all of it rather than its
+        first documents (``heldout_rows``)."""
         return [self.device_batch(row, heldout=True) for row in self.heldout_rows(n)]
 
     def heldout_rows(self, n: int) -> list[int]:
-        """First global row of each of the ``n`` held-out batches."""
+        """First global row of each held-out batch. Rows that fill at most ``n`` batches: every
+        row once, when the rows past the last are empty (a source with ``wrap`` False: chat and
+        preference rows, data/sft.py), else ``n`` batches that run on into the rows' next pass
+        (the text pipeline's, which repeat); more rows: ``n`` batches spread evenly."""
         rows = self._heldout_rows.rows_per_pass
+        if rows <= n * self.batch_size and not getattr(self._heldout_rows, "wrap", True):
+            return list(range(0, rows, self.batch_size))
         if rows < n * self.batch_size:
             return [i * self.batch_size for i in range(n)]
         return [i * rows // n for i in range(n)]

@@ -385,15 +385,6 @@ class ChatPipeline(Batches):
                         f"(first: {t.first_empty})")
         return "; ".join(said)
 
-    def heldout_rows(self, n: int) -> list[int]:
-        """First global row of each held-out batch: every held-out row once (the last batch
-        padded with empty rows) when they fill at most ``n`` batches, else ``n`` batches spread
-        evenly over them."""
-        rows = self._heldout_rows.rows_per_pass
-        if rows <= n * self.batch_size:
-            return list(range(0, rows, self.batch_size))
-        return [i * rows // n for i in range(n)]
-
     # the startup line's words for what this pipeline reads (data/preference.py has its own)
     WORDS = {"kind": "chat", "unit": "conversation", "what": "conversation",
              "cut": "its first data.seq_len tokens", "bad": "not conversations",
