@@ -58,10 +58,18 @@ def get_config() -> ml_collections.ConfigDict:
     m.query_pre_attn_scalar = 0.0
     m.final_logit_softcap = 0.0  # logits C * tanh(logits / C) (Gemma 2/3's option); 0 = none
     m.tie_embeddings = False  # the output head is the embedding table (as in TinyLlama-like HF models)
-    # Mixture of experts in every layer's MLP slot (model/moe.py; docs/moe.md): a router picks
+    # Mixture of experts in the layers' MLP slot (model/moe.py; docs/moe.md): a router picks
     # top_k of num_experts gated MLPs per token, dropless. 0 experts: the dense MLP.
     m.moe = e = ml_collections.ConfigDict()
     e.num_experts = 0
+    # Which layers: layer i (from 0) is a mixture of experts when (i + 1) is a multiple of
+    # `every` (Qwen2/3-MoE's decoder_sparse_step, Llama 4's interleave step; 1 = every layer),
+    # it is not one of the first `first_dense` (DeepSeek's first_k_dense_replace) and not in
+    # `dense_layers` (a comma list of layer indices, "0,5": Qwen3-MoE's mlp_only_layers). The
+    # other layers hold the dense gated MLP of model.ffn_dim.
+    e.every = 1
+    e.first_dense = 0
+    e.dense_layers = ""
     e.top_k = 2  # experts per token
     e.expert_dim = 0  # each expert's hidden width; 0 = model.ffn_dim
     # softmax_topk (softmax over all, then the top k: Mixtral, Qwen3-MoE, OLMoE) | topk_softmax
@@ -75,10 +83,23 @@ def get_config() -> ml_collections.ConfigDict:
     # z-loss's (the mean squared log-sum-exp of the logits); added to the loss, logged per step.
     e.aux_loss = 0.01
     e.z_loss = 0.0
+    # What the load-balancing loss balances: batch (transformers': over the step's real tokens
+    # pooled) | sequence (DeepSeek-V3's sequence-wise loss: the same loss per row of the batch,
+    # averaged over the rows with real tokens and the layers; exact under microbatches)
+    e.balance = "batch"
     e.capacity = 0.0  # picks an expert takes, as a multiple of the even share; 0 = dropless
     # the grouped matmul: auto | ragged (jax.lax.ragged_dot) | blocks (the CPU's) | dense
     # (every expert on every token: a yardstick)
     e.grouped = "auto"
+    # Where the work meets the experts, on a mesh: gather (each layer's experts gathered to
+    # every device, which runs its own tokens) | all_to_all (expert parallelism: each device
+    # keeps its share of the experts and the token-expert pairs travel to them and back;
+    # parallel/experts.py)
+    e.dispatch = "gather"
+    # all_to_all: the rows a device can receive, as a multiple of the pairs it routes (tokens x
+    # top_k); the pairs past it are dropped and counted. 0 = room for every device's pairs
+    # (dropless, at most the group's size)
+    e.receive_buffer = 0.0
     m.norm_eps = 1e-5  # RMSNorm epsilon
     m.init_std = 0.02  # normal init std for weights (output projections scaled by 1/sqrt(2*layers))
     m.dtype = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)

@@ -210,7 +210,7 @@ def _check_dpo(p):
 def _check_moe(m):
     """A mixture of experts' fields (``model.moe``; model/moe.py). num_experts 0 is the dense
     MLP: the other fields are then not read, and not checked."""
-    from model.moe import GROUPED, ROUTERS
+    from model.moe import BALANCES, DISPATCHES, GROUPED, ROUTERS
     e = m.get("moe", None)
     if e is None:  # a config from before the field: dense
         return
@@ -234,11 +234,57 @@ def _check_moe(m):
     _need(not (e.capacity and e.grouped == "dense"),
           f"model.moe.capacity={e.capacity} with model.moe.grouped=dense: dense computes every "
           f"expert on every token and drops nothing; use capacity 0 or grouped auto, ragged, blocks")
+    dispatch = e.get("dispatch", "gather")
+    _need(dispatch in DISPATCHES,
+          f"model.moe.dispatch={dispatch!r} is not one of {', '.join(DISPATCHES)} (the experts "
+          f"gathered to the tokens, or the tokens sent to the experts' devices)")
+    _need(e.get("receive_buffer", 0.0) >= 0,
+          f"model.moe.receive_buffer={e.get('receive_buffer')} must be >= 0 (a multiple of a "
+          f"device's pairs; 0: room for all of them, dropless)")
+    _need(not (dispatch == "all_to_all" and e.grouped == "dense"),
+          "model.moe.dispatch=all_to_all with model.moe.grouped=dense: dense computes every "
+          "expert on every token where it is; use grouped auto, ragged or blocks")
     for name in ("aux_loss", "z_loss"):
         _need(e[name] >= 0, f"model.moe.{name}={e[name]} must be >= 0 (the loss's weight; 0: off)")
+    _check_moe_layers(m, e)
+    balance = e.get("balance", "batch")
+    _need(balance in BALANCES,
+          f"model.moe.balance={balance!r} is not one of {', '.join(BALANCES)} (the load-balancing "
+          f"loss over the whole batch's tokens, or per row of the batch)")
     _need(not m.mlp_chunk,
           f"model.mlp_chunk={m.mlp_chunk} with model.moe.num_experts={n}: the chunked MLP is "
           f"the dense one; set model.mlp_chunk=0 for a mixture of experts")
+
+
+def _check_moe_layers(m, e):
+    """Which layers are a mixture of experts (model.moe.every, first_dense, dense_layers;
+    model/flops.py ``moe_layers``): at least one."""
+    from model.flops import moe_layers
+    L, whole = m.num_layers, lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    every, first = e.get("every", 1), e.get("first_dense", 0)
+    _need(whole(every) and every >= 1,
+          f"model.moe.every={every!r} must be an int >= 1 (layer i is a mixture of experts when "
+          f"(i + 1) % every == 0: Qwen3-MoE's decoder_sparse_step; 1: every layer)")
+    _need(whole(first) and 0 <= first < L,
+          f"model.moe.first_dense={first!r} must be an int in [0, {L - 1}] (the first k of "
+          f"model.num_layers={L} layers dense: DeepSeek's first_k_dense_replace)")
+    given = e.get("dense_layers", "")
+    parts = ([p.strip() for p in given.split(",") if p.strip()] if isinstance(given, str)
+             else list(given or ()))
+    seen = set()
+    for p in parts:
+        ok = whole(p) or (isinstance(p, str) and p.lstrip("-").isdigit())
+        _need(ok, f"model.moe.dense_layers={given!r}: {p!r} is not a layer index (a comma list "
+                  f"of layers 0 to {L - 1} that hold the dense MLP: Qwen3-MoE's mlp_only_layers)")
+        i = int(p)
+        _need(0 <= i < L, f"model.moe.dense_layers={given!r}: layer {i} is out of range for "
+                          f"model.num_layers={L} (layers 0 to {L - 1})")
+        _need(i not in seen, f"model.moe.dense_layers={given!r} lists layer {i} twice")
+        seen.add(i)
+    _need(bool(moe_layers(m)),
+          f"model.moe.num_experts={e.num_experts} but no layer is a mixture of experts "
+          f"(model.moe.every={every}, first_dense={first}, dense_layers={given!r}: all "
+          f"{L} layers dense); set model.moe.num_experts=0 for a dense model")
 
 
 def _check_tiles(kernel, a, m, seq_len, n, platform):

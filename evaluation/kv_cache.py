@@ -207,7 +207,6 @@ class Generator:
 
         def decode(params, cache: Cache, token_B, pos_B, t, key):
             model = nnx.merge(graphdef, params)
-            block_def, stacked = nnx.split(model.blocks)
             slot, owner = prompt_slots + t // S, t % S
             pos_B1 = pos_B[:, None]
             dtype = model.dtype
@@ -216,13 +215,11 @@ class Generator:
             # cache written inside the loop is copied whole by XLA at every layer (layers x
             # cache bytes a token). Each layer's new keys and values come out of the scan and
             # are written at once, in place, after it.
-            def layer(x_B1D, xs, kind):
-                layer_state, kc_BKCD, vc_BKCD = xs
-                kc_BKCD, vc_BKCD = (_unhold(c, dtype) for c in (kc_BKCD, vc_BKCD))
+            def layer(x_B1D, block, xs, kind):
+                kc_BKCD, vc_BKCD = (_unhold(c, dtype) for c in xs)
                 # one token per row: whole on every sequence device (the weights' embed axis
                 # is split over fsdp x sequence, which would otherwise split D here)
                 x_B1D = jax.lax.with_sharding_constraint(x_B1D, token_rows)
-                block = nnx.merge(block_def, layer_state)
                 attend = attend_for(kind.window)
                 return block.attend(
                     x_B1D, pos_B1, None, kind=kind,
@@ -231,7 +228,7 @@ class Generator:
             # the model's own walk over its layers (one scan, each step switching to its
             # layer's kind), each layer's weights and cache read in place
             x_B1D, (k_LB1KD, v_LB1KD) = model.over_layers(
-                layer, model.embed_tokens(token_B[:, None]), (stacked, cache.k, cache.v))
+                layer, model.embed_tokens(token_B[:, None]), (cache.k, cache.v))
             def written(held, new_LB1KD):  # every layer's new keys (or values), held
                 return write(held, _hold(new_LB1KD.astype(dtype).swapaxes(2, 3), platform),
                              slot, owner)

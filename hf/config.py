@@ -25,8 +25,10 @@ Every family is the LLaMA block with some of the model's switches on:
   ``num_experts_per_tok`` -> ``top_k``, Mixtral's ``intermediate_size`` / Qwen3-MoE's
   ``moe_intermediate_size`` -> ``expert_dim``, softmax then top k renormalised (Mixtral always,
   Qwen3-MoE by ``norm_topk_prob``), ``router_aux_loss_coef`` -> ``aux_loss`` (no z-loss, no
-  capacity: transformers' is dropless). Qwen3-MoE's dense layers (``decoder_sparse_step`` other
-  than 1, ``mlp_only_layers``) do not convert.
+  capacity: transformers' is dropless). Qwen3-MoE's dense layers (the layers i with (i + 1) not a
+  multiple of ``decoder_sparse_step``, and ``mlp_only_layers``: a gated MLP of
+  ``intermediate_size``) are ``model.moe.every`` and ``model.moe.dense_layers`` with the dense MLP
+  of ``model.ffn_dim``.
 - OLMoE (``OlmoeForCausalLM``): Mixtral's names for the shapes (``intermediate_size`` is each
   expert's width, ``num_experts``), Qwen3-MoE's for the tensors, the top k renormalised by
   ``norm_topk_prob`` (default false), and q/k norms over the whole projection
@@ -494,19 +496,23 @@ def moe_fields(cfg: dict) -> dict:
     if not whole(top_k) or not 1 <= top_k <= experts:
         raise ConversionError(f"config.json: num_experts_per_tok={top_k!r}; it must be a whole "
                               f"number from 1 to {key}={experts}")
+    every, dense = 1, []
     if kind == "qwen3_moe":  # Qwen3MoeDecoderLayer: a dense MLP where these say so
         n = int(cfg.get("num_hidden_layers") or 0)
-        step = cfg.get("decoder_sparse_step", 1)
-        if step != 1:
-            raise ConversionError(
-                f"config.json: decoder_sparse_step={step!r}: only a mixture of experts in every "
-                f"layer converts (model.moe); Qwen3MoeForCausalLM gives the other layers a "
-                f"dense MLP")
+        every = cfg.get("decoder_sparse_step", 1)
+        if every is None:
+            every = 1
+        if not whole(every) or every < 1:
+            raise ConversionError(f"config.json: decoder_sparse_step={every!r}; it must be a "
+                                  f"whole number >= 1 (every n-th layer a mixture of experts)")
         only = cfg.get("mlp_only_layers") or []
-        if any(isinstance(i, int) and 0 <= i < n for i in only):
+        # (transformers tests ``i in mlp_only_layers``: an index past the layers says nothing)
+        dense = sorted({i for i in only if whole(i) and 0 <= i < n})
+        if not any((i + 1) % every == 0 and i not in dense for i in range(n)):
             raise ConversionError(
-                f"config.json: mlp_only_layers={only!r}: only a mixture of experts in every "
-                f"layer converts (model.moe); Qwen3MoeForCausalLM gives those layers a dense MLP")
+                f"config.json: decoder_sparse_step={every} and mlp_only_layers={only!r} leave "
+                f"no layer of the {n} a mixture of experts; Qwen3MoeForCausalLM then is a dense "
+                f"model, which this import does not take (a Qwen3ForCausalLM config does)")
     width_key, renormalize = MOE[kind]
     try:
         width = int(cfg[width_key])
@@ -519,7 +525,8 @@ def moe_fields(cfg: dict) -> dict:
                             else bool(cfg.get(renormalize))),
             "router_bias": False,
             "aux_loss": float(cfg.get("router_aux_loss_coef") or 0.0),
-            "z_loss": 0.0, "capacity": 0.0}
+            "z_loss": 0.0, "capacity": 0.0,
+            "every": int(every), "first_dense": 0, "dense_layers": ",".join(map(str, dense))}
 
 
 def left_out(cfg: dict) -> list[str]:
@@ -638,6 +645,15 @@ def _moe_architecture(m, gemma: list, nope: bool, sliding: list) -> str:
             f"architecture has this combination (MixtralForCausalLM, Qwen3MoeForCausalLM and "
             f"OlmoeForCausalLM: LLaMA's block with q/k norms or none, a window on every layer "
             f"or none, a router without a bias)")
+    from model.flops import moe_layers
+    if len(moe_layers(m)) < m.num_layers and not (on("qk_norm") and not _projection_norms(m)):
+        dense = [i for i in range(m.num_layers) if i not in moe_layers(m)]
+        raise ConversionError(
+            f"model.moe.num_experts={_experts(m)} with dense layers ({', '.join(map(str, dense))} "
+            f"of {m.num_layers}: model.moe.every, first_dense, dense_layers) and "
+            f"{'q/k norms over the whole projection' if on('qk_norm') else 'no q/k norms'}: "
+            f"only Qwen3MoeForCausalLM (per-head q/k norms, model.qk_norm) has layers that are "
+            f"not all a mixture of experts (decoder_sparse_step, mlp_only_layers)")
     if _projection_norms(m):
         hd = m.head_dim or m.d_model // m.num_heads
         what = ((["a window (model.sliding_window)"] if any(sliding) else [])
@@ -851,9 +867,13 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
             out.update(num_experts=int(e.num_experts), intermediate_size=width,
                        norm_topk_prob=_renormalized(m))
         else:  # num_experts: the key every transformers version reads (5.23 writes the other)
+            # the dense layers: those the step leaves out, and the rest listed
+            from model.flops import moe_layers
+            every, moe_at = int(e.get("every", 1) or 1), moe_layers(m)
             out.update(num_experts=int(e.num_experts), moe_intermediate_size=width,
-                       norm_topk_prob=_renormalized(m), decoder_sparse_step=1,
-                       mlp_only_layers=[])
+                       norm_topk_prob=_renormalized(m), decoder_sparse_step=every,
+                       mlp_only_layers=[i for i in range(int(m.num_layers))
+                                        if (i + 1) % every == 0 and i not in moe_at])
     if kind in ("llama", "smollm3"):
         out["mlp_bias"] = False
     if bos is not None:

@@ -30,13 +30,20 @@ modules fuse them, and ``save_pretrained(save_original_format=False)`` writes th
 family under ``mlp.``): ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows) and
 ``mlp.experts.down_proj [E, D, F]``. Import reads any of these (``moe_layout`` finds which);
 export writes the family's released per-expert names.
+
+Where only some layers are a mixture of experts (Qwen3-MoE's ``decoder_sparse_step`` and
+``mlp_only_layers``: ``model.moe.every``, ``dense_layers``, ``first_dense``; model/flops.py
+``moe_layers``), the MLPs are held apart from ``blocks``, one stack per kind: ``moe_mlp``
+(``router``, ``w_gate``, ``w_up``, ``w_down``, [MoE layers, ...]) and ``dense_mlp``
+(``w_gate``, ``w_up``, ``w_down`` [dense layers, ...]: a dense layer's ``mlp.gate_proj``,
+``up_proj`` and ``down_proj``, transposed), each in layer order.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from errors import ConversionError
-from model.flops import head_dim
+from model.flops import head_dim, moe_layers
 
 LAYER = "model.layers.{i}."
 # (our block path, HF name within a layer, kind): kind says how the matrix reshapes.
@@ -152,7 +159,7 @@ def moe_layout(m, tensors=None) -> str | None:
     family = "qwen3_moe" if m.get("qk_norm", False) else "mixtral"
     if tensors is None:
         return family
-    first = LAYER.format(i=0)
+    first = LAYER.format(i=moe_layers(m)[0])
     for layout, (prefix, names) in MOE_LAYOUTS.items():
         probe = prefix + ("experts.gate_up_proj" if names is None
                           else f"experts.0.{names[0]}.weight")
@@ -197,15 +204,27 @@ def _moe_to_ours(tensors, m, layout: str, i: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _moe_to_hf(mlp: dict, m, i: int) -> dict[str, np.ndarray]:
-    """Layer ``i``'s router and experts under the family's released names."""
+def _moe_to_hf(mlp: dict, m, i: int, j: int) -> dict[str, np.ndarray]:
+    """Layer ``i``'s router and experts (``mlp``'s ``j``-th) under the family's released
+    names."""
     prefix, names = MOE_LAYOUTS[moe_layout(m)]
     at = LAYER.format(i=i) + prefix
-    out = {at + "gate.weight": np.asarray(mlp["router"][i]).T}
+    out = {at + "gate.weight": np.asarray(mlp["router"][j]).T}
     for e in range(_experts(m)):
         for ours, name in zip(("w_gate", "w_up", "w_down"), names):
-            out[f"{at}experts.{e}.{name}.weight"] = np.asarray(mlp[ours][i][e]).T
+            out[f"{at}experts.{e}.{name}.weight"] = np.asarray(mlp[ours][j][e]).T
     return out
+
+
+def _mixed(m) -> bool:
+    """Whether only some of ``m``'s layers are a mixture of experts (the MLPs held apart)."""
+    return _experts(m) > 0 and len(moe_layers(m)) < m.num_layers
+
+
+def _dense_layers(m) -> list[int]:
+    """The layers of a mixture of experts ``m`` that hold the dense MLP."""
+    moe_at = set(moe_layers(m))
+    return [i for i in range(m.num_layers) if i not in moe_at]
 
 
 def _expected(m, layout: str | None = None) -> dict[str, tuple[int, ...]]:
@@ -219,13 +238,14 @@ def _expected(m, layout: str | None = None) -> dict[str, tuple[int, ...]]:
     mlp = {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
            "mlp.down_proj.weight": (d, f)}
     per_layer = {name: mlp[name] if kind == "t" else shapes[kind] for _, name, kind in _block(m)}
-    if _experts(m):
-        per_layer.update(_moe_shapes(m, layout or moe_layout(m)))
+    experts = _moe_shapes(m, layout or moe_layout(m)) if _experts(m) else {}
     out = {"model.embed_tokens.weight": (m.vocab_size, d), "model.norm.weight": (d,)}
     if not m.get("tie_embeddings", False):
         out["lm_head.weight"] = (m.vocab_size, d)
+    dense = set(_dense_layers(m)) if _experts(m) else set()
     for i in range(m.num_layers):
-        out.update({LAYER.format(i=i) + k: v for k, v in per_layer.items()})
+        layer = {**per_layer, **(mlp if i in dense else experts)}
+        out.update({LAYER.format(i=i) + k: v for k, v in layer.items()})
     return out
 
 
@@ -315,12 +335,21 @@ def params_from_hf(tensors, m, dtype=None) -> dict:
         layers = [_to_ours(tensors[LAYER.format(i=i) + hf_name], kind, m)
                   for i in range(m.num_layers)]
         _set(blocks, path, cast(np.stack(layers)))
-    if _experts(m):
-        layout = moe_layout(m, tensors)
-        layers = [_moe_to_ours(tensors, m, layout, i) for i in range(m.num_layers)]
-        blocks["mlp"] = {k: cast(np.stack([layer[k] for layer in layers])) for k in layers[0]}
     params = {"blocks": blocks, "embed": cast(np.asarray(tensors["model.embed_tokens.weight"])),
               "final_norm": {"scale": cast(np.asarray(tensors["model.norm.weight"]))}}
+    if _experts(m):
+        layout = moe_layout(m, tensors)
+        layers = [_moe_to_ours(tensors, m, layout, i) for i in moe_layers(m)]
+        experts = {k: cast(np.stack([layer[k] for layer in layers])) for k in layers[0]}
+        if _mixed(m):  # the MLPs apart from the blocks, one stack per kind
+            params["moe_mlp"] = experts
+            params["dense_mlp"] = {}
+            for path, hf_name, kind in MLP:
+                _set(params["dense_mlp"], path[1:], cast(np.stack(
+                    [_to_ours(tensors[LAYER.format(i=i) + hf_name], kind, m)
+                     for i in _dense_layers(m)])))
+        else:
+            blocks["mlp"] = experts
     if not m.get("tie_embeddings", False):
         params["head"] = cast(np.asarray(tensors["lm_head.weight"]).T)
     return params
@@ -329,11 +358,17 @@ def params_from_hf(tensors, m, dtype=None) -> dict:
 def hf_from_params(params: dict, m, dtype) -> dict[str, np.ndarray]:
     """HF tensors (name -> ``dtype`` array, in HF's usual order) from our parameter tree."""
     out = {"model.embed_tokens.weight": params["embed"]}
+    moe_at, dense = (moe_layers(m), _dense_layers(m)) if _experts(m) else ((), ())
+    experts = params["moe_mlp"] if _mixed(m) else params["blocks"].get("mlp")
     for i in range(m.num_layers):
         for path, hf_name, kind in _block(m):
             out[LAYER.format(i=i) + hf_name] = _to_hf(_get(params["blocks"], path)[i], kind)
-        if _experts(m):
-            out.update(_moe_to_hf(params["blocks"]["mlp"], m, i))
+        if i in dense:  # a mixed model's dense layer: its MLP from the dense stack
+            for path, hf_name, kind in MLP:
+                out[LAYER.format(i=i) + hf_name] = _to_hf(
+                    _get(params["dense_mlp"], path[1:])[dense.index(i)], kind)
+        elif _experts(m):
+            out.update(_moe_to_hf(experts, m, i, moe_at.index(i)))
     out["model.norm.weight"] = params["final_norm"]["scale"]
     if not m.get("tie_embeddings", False):
         out["lm_head.weight"] = params["head"].T

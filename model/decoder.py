@@ -1,6 +1,7 @@
 """The LLaMA-style decoder: embedding, a scanned stack of blocks, final norm, head (own or tied)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -9,8 +10,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from model import pattern
-from model.layers import AttentionBackend, Block, _param, norm_from_config
+from model.flops import moe_layers, num_experts
+from model.layers import AttentionBackend, Block, GatedMLP, _param, norm_from_config
 from model.loss import chunked_token_losses
+from model.moe import MoE
 from parallel.mesh import BATCH_AXES
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -60,9 +63,31 @@ class Decoder(nnx.Module):
         self.embed = _param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"),
                             m.init_std if tied else 1.0)
         keys = jax.random.split(rngs.params(), m.num_layers)
+        # Where only some layers' MLP slot is a mixture of experts (model/flops.py moe_layers),
+        # the MLPs are held apart, one stack per kind: ``moe_mlp`` [MoE layers, ...] and
+        # ``dense_mlp`` [dense layers, ...]; ``blocks`` holds the rest of every layer. A model
+        # whose layers are all alike keeps its MLP in ``blocks/mlp``, as before.
+        moe_at = moe_layers(m)
+        if num_experts(m) and not moe_at:
+            raise ValueError("model.moe: no layer is a mixture of experts (configs/validate.py)")
+        mixed = 0 < len(moe_at) < m.num_layers
         # One Block's structure, parameters stacked over layers so that lax.scan can run them:
         # compile time stays flat in depth.
-        self.blocks = nnx.vmap(lambda k: Block(m, backend, dtype, nnx.Rngs(k)))(keys)
+        self.blocks = nnx.vmap(lambda k: Block(m, backend, dtype, nnx.Rngs(k), mlp=not mixed))(keys)
+        # each layer's index in the moe and dense stacks (the other kind's: any in range)
+        self.mlp_index: tuple[tuple[int, int], ...] = ()
+        if not mixed:
+            self.moe_mlp = self.dense_mlp = None
+        else:
+            dense_at = [i for i in range(m.num_layers) if i not in moe_at]
+            self.moe_mlp = nnx.vmap(lambda k: MoE(m, dtype, nnx.Rngs(k), backend.mesh))(
+                jax.random.split(rngs.params(), len(moe_at)))
+            self.dense_mlp = nnx.vmap(lambda k: GatedMLP(m, dtype, nnx.Rngs(k)))(
+                jax.random.split(rngs.params(), len(dense_at)))
+            self.mlp_index = tuple(
+                (min(sum(j < i for j in moe_at), len(moe_at) - 1),
+                 min(sum(j < i for j in dense_at), len(dense_at) - 1))
+                for i in range(m.num_layers))
         self.final_norm = norm_from_config(m)
         self.head = None if tied else _param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"),
                                              m.init_std)
@@ -71,6 +96,9 @@ class Decoder(nnx.Module):
         # Each layer's window and RoPE (model/pattern.py), static: the scan over the layers
         # switches to each layer's own (over_layers).
         self.kinds = pattern.kinds(m)
+        if mixed:  # and its MLP's (LayerKind.mlp): one branch per attention x MLP kind
+            self.kinds = tuple(dataclasses.replace(k, mlp="moe" if i in moe_at else "dense")
+                               for i, k in enumerate(self.kinds))
         # Gemma: embeddings times sqrt(d_model), the factor cast to the compute dtype first
         self.embed_scale = math.sqrt(m.d_model) if m.get("scale_embeddings", False) else None
         self.softcap = float(m.get("final_logit_softcap", 0.0) or 0.0)  # Gemma: cap * tanh(z / cap)
@@ -120,9 +148,9 @@ class Decoder(nnx.Module):
         """The last block's output [B, L, D] (before the final norm), in the batch's layout.
         ``keep_kv``: (output, (k, v)) with every layer's keys and values stacked
         ``[layers, B, L, Hkv, D]`` (a KV cache's prefill, evaluation/kv_cache.py).
-        ``routed``: (output, router statistics summed over the layers, or None)."""
+        ``routed``: (output, router statistics summed over the layers, or None; the dense layers
+        of a model whose layers differ add none)."""
         x_BLD = self.embed_tokens(tokens_BL)
-        graphdef, stacked = nnx.split(self.blocks)
 
         def enter(x_BLD):
             if self.act_sharding is not None:
@@ -131,65 +159,104 @@ class Decoder(nnx.Module):
             # ([layers, B, L, D]); offload_input moves exactly these to host memory.
             return checkpoint_name(x_BLD, "layer_input")
 
-        def layer(x_BLD, layer_state, kind):
-            block = nnx.merge(graphdef, layer_state)
+        def layer(x_BLD, block, _, kind):
             x_BLD, kv, stats = block.attend_routed(x_BLD, positions_BL, segment_ids_BL,
                                                    kind=kind)
+            if routed and stats is None and self.moe_mlp is not None:  # a dense layer
+                stats = self.no_router_stats(x_BLD, segment_ids_BL)
             return x_BLD, (kv if keep_kv else None, stats if routed else None)
 
-        x_BLD, (kv, stats) = self.over_layers(layer, x_BLD, stacked, enter=enter,
-                                              remat=self.remat)
+        x_BLD, (kv, stats) = self.over_layers(layer, x_BLD, enter=enter, remat=self.remat)
         if routed:
             stats = None if stats is None else jax.tree.map(lambda s: s.sum(axis=0), stats)
             return x_BLD, stats
         return (x_BLD, kv) if keep_kv else x_BLD
 
-    def over_layers(self, layer, x, xs, enter=None, remat: str | None = None):
-        """``layer(enter(x), xs_i, kind_i) -> (x, y_i)`` over the layers, in order: ``xs`` has
-        a leading layer axis; returns (x, the y_i stacked over layers). One scan over every
-        layer with the whole stack as its input, read in place a layer at a time: layers all
-        alike run one layer a step; a pattern (Gemma 3's 5 sliding : 1 full) switches each
-        step to its layer's kind (``lax.switch``, one branch compiled per kind). A scan over
-        the pattern's periods would take its input as slices of the stack and give the
-        gradients back concatenated, copying the whole stack (and its gradient) every step
-        wherever the depth is not a whole number of periods (Gemma-3-1B: 26 = 4 x 6 + 2).
+    def no_router_stats(self, x_BLD, segment_ids_BL):
+        """Zeros shaped as a mixture-of-experts layer's router statistics of ``x_BLD``: a dense
+        layer's, in a model whose layers differ (the scan's branches give alike outputs)."""
+        graphdef, state = nnx.split(self.moe_mlp)
+        one = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], t.dtype), state)
+        shapes = jax.eval_shape(lambda s, x, r: nnx.merge(graphdef, s)(x, r)[1], one, x_BLD,
+                                segment_ids_BL > 0)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def over_layers(self, layer, x, xs=None, enter=None, remat: str | None = None):
+        """``layer(enter(x), block_i, xs_i, kind_i) -> (x, y_i)`` over the layers, in order:
+        ``block_i`` is layer i's Block, ``xs`` (or None) an input with a leading layer axis;
+        returns (x, the y_i stacked over layers). One scan over every layer with the whole
+        stack as its input, read in place a layer at a time: layers all alike run one layer a
+        step; a pattern (Gemma 3's 5 sliding : 1 full, or MLPs that differ: some layers a
+        mixture of experts) switches each step to its layer's kind (``lax.switch``, one branch
+        compiled per kind). A scan over the pattern's periods would take its input as slices
+        of the stack and give the gradients back concatenated, copying the whole stack (and
+        its gradient) every step wherever the depth is not a whole number of periods
+        (Gemma-3-1B: 26 = 4 x 6 + 2). Where the MLPs differ, each step reads its layer's MLP
+        from its kind's stack (``moe_mlp``, ``dense_mlp``) at the layer's index, outside the
+        switch (in a branch, the read's gradient would leave the switch as a whole stack of
+        zeros but one layer, every step); both stacks are read, one used.
 
         ``remat``: the checkpoint policy's name (``remat_policy``), applied to each layer;
         None: nothing is differentiated (a decode step), no checkpoint."""
         kinds = self.kinds
         enter = enter or (lambda x: x)
         distinct = list(dict.fromkeys(kinds))
+        graphdef, stacked = nnx.split(self.blocks)
+        groups = (nnx.split(self.moe_mlp), nnx.split(self.dense_mlp)) if self.mlp_index else ()
+
+        def block_of(state_i, mlps_i, kind):
+            block = nnx.merge(graphdef, state_i)
+            if not groups:
+                return block
+            g = 0 if kind.mlp == "moe" else 1
+            return block.holding(nnx.merge(groups[g][0], mlps_i[g]))
+
         if len(distinct) == 1 or not self.scan_layers:
-            def step(x, xs_i, kind):
-                return layer(enter(x), xs_i, kind)
+            def step(x, a, kind):
+                return layer(enter(x), block_of(a[0], a[1], kind), a[2], kind)
 
             if remat not in (None, "none"):
                 step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=False,
                                       static_argnums=(2,))
             if self.scan_layers and len(kinds) > 1:
-                return jax.lax.scan(lambda x, xs_k: step(x, xs_k, kinds[0]), x, xs)
+                return jax.lax.scan(lambda x, a: step(x, a, kinds[0]), x, (stacked, None, xs))
             out = []  # unrolled, layer by layer (debugging), or the one layer
             for i in range(len(kinds)):
-                x, y = step(x, jax.tree.map(lambda t, i=i: t[i], xs), kinds[i])
+                mlps = (tuple(jax.tree.map(lambda t, j=j: t[j], state)
+                              for (_, state), j in zip(groups, self.mlp_index[i]))
+                        if groups else None)
+                a = jax.tree.map(lambda t, i=i: t[i], (stacked, xs))
+                x, y = step(x, (a[0], mlps, a[1]), kinds[i])
                 out.append(jax.tree.map(lambda t: t[None], y))
             return x, jax.tree.map(lambda *t: jnp.concatenate(t), *out)
 
-        branches = [lambda x, xs_i, kind=kind: layer(x, xs_i, kind) for kind in distinct]
+        branches = [lambda x, a, kind=kind: layer(x, block_of(a[0], a[1], kind), a[2], kind)
+                    for kind in distinct]
 
-        def switch(x, xs_i, index):
-            return jax.lax.switch(index, branches, enter(x), xs_i)
+        def switch(x, a, index):
+            state_i, index_i, xs_i = a
+            mlps = tuple(
+                jax.tree.map(lambda t: checkpoint_name(
+                    jax.lax.dynamic_index_in_dim(t, index_i[g], keepdims=False), "layer_mlp"),
+                    state)
+                for g, (_, state) in enumerate(groups))
+            return jax.lax.switch(index, branches, enter(x), (state_i, mlps, xs_i))
 
         if remat is not None:
             # The checkpoint holds the switch, not each branch: differentiated, a switch keeps
             # what its branches' backward needs as outputs of its own, the layer's weights
             # among them, which the scan would stack into a copy of the whole weight stack; a
             # checkpoint's backward reads its inputs (the scan's slice of the stack) in place.
-            # Without remat every intermediate is kept, as with no checkpoint at all.
-            policy = (remat_policy(remat) if remat != "none"
-                      else jax.checkpoint_policies.everything_saveable)
+            # Without remat every intermediate is kept, as with no checkpoint at all, but for
+            # the layer's MLP read from its stack (read again).
+            policy = (remat_policy(remat) if remat != "none" else
+                      jax.checkpoint_policies.save_anything_except_these_names("layer_mlp")
+                      if groups else jax.checkpoint_policies.everything_saveable)
             switch = jax.checkpoint(switch, policy=policy, prevent_cse=False)
         ids = jnp.asarray([distinct.index(k) for k in kinds], jnp.int32)
-        return jax.lax.scan(lambda x, a: switch(x, a[1], a[0]), x, (ids, xs))
+        index = jnp.asarray(self.mlp_index or [()] * len(kinds), jnp.int32)
+        return jax.lax.scan(lambda x, a: switch(x, a[1], a[0]), x,
+                            (ids, (stacked, index, xs)))
 
     def next_logits(self, x_BD):
         """fp32 next-token logits [B, V] of last-block outputs [B, D] (generation)."""

@@ -8,7 +8,9 @@ A mixture of experts (``model.moe``, model/moe.py) counts every expert in the pa
 (``param_count``: what the state holds, what the log and the planner print) and only the
 token's ``top_k`` experts and the router in the FLOPs (``matmul_params``, ``flops_per_token``:
 what MFU divides by); ``active_param_count`` is the parameters a token meets (the "A3B" of
-Qwen3-30B-A3B) and ``total_matmul_params`` every matmul weight (what FSDP gathers)."""
+Qwen3-30B-A3B) and ``total_matmul_params`` every matmul weight (what FSDP gathers). Where only
+some layers are a mixture of experts (``moe_layers``: ``model.moe.every``, ``dense_layers``,
+``first_dense``), the others count the dense MLP of ``model.ffn_dim``."""
 from __future__ import annotations
 
 import collections
@@ -53,6 +55,30 @@ def expert_dim(m) -> int:
     return int(e.get("expert_dim", 0) or m.ffn_dim) if e is not None else m.ffn_dim
 
 
+def dense_layer_list(m) -> tuple[int, ...]:
+    """``model.moe.dense_layers`` as layer indices: a comma list ("0,3") or a list of ints
+    (configs/validate.py says what is wrong with one that is neither)."""
+    e = m.get("moe", None)
+    given = e.get("dense_layers", "") if e is not None else ""
+    parts = given.split(",") if isinstance(given, str) else list(given or ())
+    return tuple(int(p) for p in parts if str(p).strip())
+
+
+def moe_layers(m) -> tuple[int, ...]:
+    """The layers whose MLP slot is a mixture of experts, in order: layer i unless it is one
+    of the first ``model.moe.first_dense``, or (i + 1) is not a multiple of ``model.moe.every``
+    (Qwen2/3-MoE's ``decoder_sparse_step``), or it is listed in ``model.moe.dense_layers``
+    (Qwen3-MoE's ``mlp_only_layers``); the others hold the dense MLP (``model.ffn_dim``). ()
+    for a dense model (num_experts 0)."""
+    e = _moe(m)
+    if e is None:
+        return ()
+    every, first = int(e.get("every", 1) or 1), int(e.get("first_dense", 0) or 0)
+    dense = set(dense_layer_list(m))
+    return tuple(i for i in range(int(m.num_layers))
+                 if i >= first and (i + 1) % every == 0 and i not in dense)
+
+
 def experts(m) -> tuple[int, int]:
     """(experts a token uses, experts a layer holds): (1, 1) for a dense MLP."""
     e = _moe(m)
@@ -64,12 +90,26 @@ def _attention_matmul(m) -> int:
 
 
 def _mlp_matmul(m, active: bool) -> int:
-    """A layer's MLP matmul weights: a dense SwiGLU's 3 D F; a mixture of experts' router D E
-    and its experts' 3 D F each, every expert (``active=False``) or a token's top k."""
+    """A mixture-of-experts layer's MLP matmul weights (``moe_layers``), a dense model's
+    layer's: a dense SwiGLU's 3 D F; a mixture of experts' router D E and its experts' 3 D F
+    each, every expert (``active=False``) or a token's top k."""
     if _moe(m) is None:
-        return 3 * m.d_model * m.ffn_dim  # w_gate, w_up, w_down
+        return _dense_mlp(m)
     k, n = experts(m)
     return m.d_model * n + (k if active else n) * 3 * m.d_model * expert_dim(m)
+
+
+def _dense_mlp(m) -> int:
+    return 3 * m.d_model * m.ffn_dim  # w_gate, w_up, w_down
+
+
+def _mlps_matmul(m, active: bool) -> int:
+    """Every layer's MLP matmul weights: ``_mlp_matmul`` on the mixture-of-experts layers, the
+    dense MLP's on the others."""
+    if _moe(m) is None:
+        return m.num_layers * _dense_mlp(m)
+    n = len(moe_layers(m))
+    return n * _mlp_matmul(m, active) + (m.num_layers - n) * _dense_mlp(m)
 
 
 def _router_bias(m) -> int:
@@ -80,16 +120,18 @@ def _router_bias(m) -> int:
 def param_count(m) -> int:
     """Exact parameter count of model.Decoder for model config ``m`` (every expert counted)."""
     attn = _attention_matmul(m) + _qkv_biases(m)
-    mlp = _mlp_matmul(m, active=False) + _router_bias(m)
+    mlp = _mlps_matmul(m, active=False) + len(moe_layers(m)) * _router_bias(m)
     embed_and_head = (1 if _tied(m) else 2) * m.vocab_size * m.d_model
-    return m.num_layers * (attn + mlp + _layer_norms(m)) + embed_and_head + m.d_model  # + final norm
+    return (m.num_layers * (attn + _layer_norms(m)) + mlp + embed_and_head
+            + m.d_model)  # + final norm
 
 
 def active_param_count(m) -> int:
     """Parameters one token's forward reads: ``param_count`` less the experts the router did
-    not pick (each layer's ``num_experts - top_k``); a dense model's whole count."""
+    not pick (each mixture-of-experts layer's ``num_experts - top_k``); a dense model's whole
+    count."""
     k, n = experts(m)
-    return param_count(m) - m.num_layers * (n - k) * 3 * m.d_model * expert_dim(m)
+    return param_count(m) - len(moe_layers(m)) * (n - k) * 3 * m.d_model * expert_dim(m)
 
 
 def _layer_norms(m) -> int:
@@ -118,17 +160,20 @@ def matmul_params(m) -> int:
     """Parameters that take part in a matmul per token (everything but norms, biases and the
     embedding lookup; a tied table counts once, as the head): with a mixture of experts the
     router and the token's ``top_k`` experts, not the others. 6x this is the matmuls' FLOPs."""
-    return m.num_layers * (_attention_matmul(m) + _mlp_matmul(m, active=True)) + m.vocab_size * m.d_model
+    return (m.num_layers * _attention_matmul(m) + _mlps_matmul(m, active=True)
+            + m.vocab_size * m.d_model)
 
 
 def total_matmul_params(m) -> int:
     """Every matmul weight, each expert's included (what FSDP gathers); ``matmul_params`` for a
     dense model."""
-    return m.num_layers * (_attention_matmul(m) + _mlp_matmul(m, active=False)) + m.vocab_size * m.d_model
+    return (m.num_layers * _attention_matmul(m) + _mlps_matmul(m, active=False)
+            + m.vocab_size * m.d_model)
 
 
 def mlp_matmul_params(m) -> int:
-    """A layer's MLP matmul parameters per token (a mixture of experts: router and top k)."""
+    """A layer's MLP matmul parameters per token (a mixture of experts: router and top k; where
+    only some layers are, a mixture-of-experts layer's)."""
     return _mlp_matmul(m, active=True)
 
 

@@ -204,17 +204,26 @@ class Block(nnx.Module):
     ``model.sandwich_norms`` (Gemma) each branch's output is normed too before it is added:
     x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
-    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
+    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs, mlp: bool = True):
+        """``mlp`` False: the MLP slot is left empty, its weights held apart (a model whose
+        layers' MLPs differ: model/decoder.py) and given to the layer's block by ``holding``."""
         self.attn_norm = norm_from_config(m)
         self.attn = Attention(m, backend, dtype, rngs)
         self.mlp_norm = norm_from_config(m)
-        self.moe = experts_of(m) > 0  # the MLP slot holds a mixture of experts (model/moe.py)
-        self.mlp = MoE(m, dtype, rngs, backend.mesh) if self.moe else GatedMLP(m, dtype, rngs)
+        # the MLP slot holds a mixture of experts (model/moe.py)
+        self.moe = mlp and experts_of(m) > 0
+        self.mlp = (None if not mlp else MoE(m, dtype, rngs, backend.mesh) if self.moe
+                    else GatedMLP(m, dtype, rngs))
         if m.get("sandwich_norms", False):
             self.attn_post_norm, self.mlp_post_norm = norm_from_config(m), norm_from_config(m)
         else:
             self.attn_post_norm = self.mlp_post_norm = None
         self.mlp_chunk, self.mesh = m.mlp_chunk, backend.mesh
+
+    def holding(self, mlp: MoE | GatedMLP) -> "Block":
+        """This block with ``mlp`` (a layer's own, of the decoder's stacks) in its MLP slot."""
+        self.mlp, self.moe = nnx.data(mlp), isinstance(mlp, MoE)
+        return self
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, *, kind: LayerKind):
         return self.attend(x_BLD, positions_BL, segment_ids_BL, kind=kind)[0]

@@ -28,9 +28,13 @@ KINDS = ("full", "sliding", "full_nope", "sliding_nope")
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """A layer's attention, static (hashable): its window (0: full) and RoPE (None: NoPE)."""
+    """A layer's attention, static (hashable): its window (0: full) and RoPE (None: NoPE); and
+    in a model whose MLP slots differ (some layers a mixture of experts: model/flops.py
+    ``moe_layers``) its MLP's, ``moe`` or ``dense`` (model/decoder.py; "" where every layer's
+    is the model's one MLP, as ``kinds`` gives them)."""
     window: int
     rope: Rope | None
+    mlp: str = ""
 
 
 def names(m) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ class Collective:
     group_size: int  # devices taking part in each group (2 for a permute pair)
     groups: list  # device groups (lists of logical ids; pairs for a permute)
     name: str
+    op_name: str = ""  # JAX's name for the op (metadata op_name: its named scopes)
 
 
 def _matching(s: str, i: int) -> int:
@@ -345,8 +346,9 @@ def collectives(text: str, num_devices: int) -> list[Collective]:
                 acc += b / 2 if promoted else b
             if kind == "all-gather":
                 cpu, acc = cpu * gsize, acc * gsize
+            op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
             out.append(Collective(kind, times, acc, cpu, 2 if kind == "collective-permute" else gsize,
-                                  groups, ins.name))
+                                  groups, ins.name, op_name.group(1) if op_name else ""))
     return out
 
 

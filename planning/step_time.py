@@ -37,6 +37,7 @@ import numpy as np
 
 from model.flops import (flops_per_token, head_dim, matmul_params, mlp_matmul_params,
                          total_matmul_params, window_counts)
+from parallel.experts import EXCHANGE_SCOPE
 from parallel.schedule import strategy_rounds, work
 from parallel.strategies import IMPLS
 from parallel.window import reach
@@ -249,8 +250,9 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
     comm, source = 0.0, "compiled HLO"
     if colls is not None:
         for c in colls:
-            if c.kind in ("collective-permute", "all-to-all"):
-                continue  # the ring's and Ulysses' (only attention uses them), modelled above
+            if c.kind in ("collective-permute", "all-to-all") and EXCHANGE_SCOPE not in c.op_name:
+                continue  # the ring's and Ulysses' (attention's), modelled above; a mixture of
+                # experts' all-to-alls (parallel/experts.py's named scope) are counted here
             bw = link_bandwidth(hw, coll.crosses_nodes(c, hw.node_size))
             comm += c.count * coll.link_traffic(c) / bw
     else:

@@ -6,7 +6,8 @@ models with every weight random, router included: imported, they give transforme
 greedy tokens, and the first step's loss (LM + router_aux_loss_coef x the load-balancing loss)
 of a batch with padding; exported, they load in transformers to the original's logits, their
 tensors the checkpoint's bit for bit. transformers 5's fused experts (gate_up_proj) import as the
-released per-expert names do. OLMoE's clip_qkv, Qwen3-MoE's dense layers and a combination no
+released per-expert names do. Qwen3-MoE with dense layers (decoder_sparse_step and
+mlp_only_layers) imports and exports the same way. OLMoE's clip_qkv and a combination no
 architecture has are one line each."""
 import json
 
@@ -45,11 +46,11 @@ def mixtral(rng, eos):
         rope_parameters={"rope_type": "default", "rope_theta": float(rng.uniform(1e4, 1e6))})
 
 
-def qwen3_moe(rng, eos, renormalize: bool):
+def qwen3_moe(rng, eos, renormalize: bool, **layers):
     # 6 experts of width 24, top 3; head_dim 24 (not hidden / heads = 16); the dense width
     # (intermediate_size, unused by these layers) apart
     return Qwen3MoeForCausalLM, Qwen3MoeConfig(
-        **SHAPE, vocab_size=0, intermediate_size=96, moe_intermediate_size=24, head_dim=24,
+        **{**SHAPE, **layers}, vocab_size=0, intermediate_size=96, moe_intermediate_size=24, head_dim=24,
         num_experts=6, num_experts_per_tok=3, norm_topk_prob=renormalize,
         tie_word_embeddings=renormalize, router_aux_loss_coef=float(rng.uniform(0.01, 0.1)),
         rms_norm_eps=float(rng.uniform(1e-6, 1e-4)), eos_token_id=eos,
@@ -89,7 +90,7 @@ ARCH = {"mixtral": MixtralForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
         "qwen3_moe_unnormalized": Qwen3MoeForCausalLM, "olmoe": OlmoeForCausalLM}
 
 
-def moe_model(rng, directory, case: str):
+def moe_model(rng, directory, case: str, build=None):
     """Saves a random model of ``case`` (fp32, eager attention: a window is the mask it builds)
     with every weight far from its initial value: matrices, the router's and the experts'
     included, N(0, 0.3), norm weights U(0.5, 1.5). The end-of-text token's head row is 0, so
@@ -98,7 +99,7 @@ def moe_model(rng, directory, case: str):
     directory.mkdir(parents=True)
     tok = tokenizer_files(rng, directory)
     eos = tok.token_to_id(EOS)
-    model_class, cfg = CASES[case][0](rng, eos)
+    model_class, cfg = (build or CASES[case][0])(rng, eos)
     cfg.vocab_size = tok.get_vocab_size()
     cfg._attn_implementation = "eager"
     torch.manual_seed(int(rng.integers(2**31)))
@@ -142,15 +143,13 @@ def test_greedy_generation_gives_transformers_tokens(family, rng, capsys):
     assert_greedy_tokens_match(rng, run, model, capsys)
 
 
-def test_the_first_step_loss_with_padding_is_transformers_loss_with_router_logits(family, rng):
+def first_step(run, model, rng):
     """A batch whose second row ends in padding (transformers: attention_mask 0 and labels
-    -100 there; ours: segment id 0 and loss mask 0): the step's loss is transformers' with
-    output_router_logits=True (the mean cross-entropy + router_aux_loss_coef x
-    load_balancing_loss_func over the real tokens of both layers), and its aux_loss metric
-    transformers' aux_loss."""
+    -100 there; ours: segment id 0 and loss mask 0), through transformers with
+    output_router_logits=True and through our loss on one device: (transformers' output, our
+    loss, counts and sums, the tokens and the real-token mask)."""
     from parallel.mesh import make_mesh
     from training.state import Trainer
-    _, model, run, seed = family
     B, L = 2, 40
     tokens = rng.integers(0, run.config.model.vocab_size, (B, L))
     real = np.ones((B, L), np.int32)
@@ -175,6 +174,16 @@ def test_the_first_step_loss_with_padding_is_transformers_loss_with_router_logit
     batch = jax.device_put({k: np.ascontiguousarray(v, np.float32 if k == "loss_mask" else np.int32)
                             for k, v in batch.items()}, trainer.batch_shardings)
     loss, counts, sums = jax.jit(trainer.loss_and_sums)(params, batch)
+    return out, loss, counts, sums, tokens, real
+
+
+def test_the_first_step_loss_with_padding_is_transformers_loss_with_router_logits(family, rng):
+    """The first step on a batch with padding (``first_step``): the loss is transformers' with
+    output_router_logits=True (the mean cross-entropy + router_aux_loss_coef x
+    load_balancing_loss_func over the real tokens of both layers), and its aux_loss metric
+    transformers' aux_loss."""
+    _, model, run, seed = family
+    out, loss, counts, sums, tokens, real = first_step(run, model, rng)
     assert int(counts["tokens"]) == int((np.where(real == 1, tokens, -100)[:, 1:] >= 0).sum())
     aux, want_aux = float(sums["aux_loss"]), float(out.aux_loss)
     assert abs(aux - want_aux) < 1e-5 * want_aux, (aux, want_aux, seed)
@@ -250,11 +259,11 @@ REFUSALS = {
                         "OlmoeForCausalLM's q_norm weighs hidden_size values"]),
     "olmoe biases": ({**OLMOE, "attention_bias": True},
                      ["attention_bias=true (biases on q, k, v and o)"]),
-    "decoder_sparse_step": ({**QWEN3_MOE, "decoder_sparse_step": 2},
-                            ["decoder_sparse_step=2: only a mixture of experts in every layer "
-                             "converts (model.moe)"]),
-    "mlp_only_layers": ({**QWEN3_MOE, "mlp_only_layers": [0, 3]},
-                        ["mlp_only_layers=[0, 3]: only a mixture of experts in every layer"]),
+    "decoder_sparse_step": ({**QWEN3_MOE, "decoder_sparse_step": 0},
+                            ["decoder_sparse_step=0; it must be a whole number >= 1"]),
+    "no moe layer": ({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3]},
+                     ["decoder_sparse_step=2 and mlp_only_layers=[1, 3] leave no layer of the 4 "
+                      "a mixture of experts"]),
     "top_k": ({**QWEN3_MOE, "num_experts_per_tok": 9},
               ["num_experts_per_tok=9; it must be a whole number from 1 to num_experts=8"]),
     "no experts": ({**BASE, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
@@ -380,7 +389,8 @@ def test_export_picks_the_moe_architecture_and_reads_back_the_same(fields, kind)
     renormalized = m.moe.router == "topk_softmax" or m.moe.renormalize
     assert read["moe"] == {"num_experts": 8, "top_k": 2, "expert_dim": 32,
                            "router": "softmax_topk", "renormalize": renormalized,
-                           "router_bias": False, "aux_loss": 0.02, "z_loss": 0.0, "capacity": 0.0}
+                           "router_bias": False, "aux_loss": 0.02, "z_loss": 0.0, "capacity": 0.0,
+                           "every": 1, "first_dense": 0, "dense_layers": ""}
     config_class = {"mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig,
                     "olmoe": OlmoeConfig}[kind]
     theirs = config_class(**out)
@@ -409,6 +419,9 @@ def test_export_picks_the_moe_architecture_and_reads_back_the_same(fields, kind)
      "model.qk_norm_scope=projection with model.head_dim=24 (not d_model / num_heads = 16)"),
     (dict(qk_norm=True, qk_norm_scope="projection", moe=dict(num_experts=0)),
      "model.qk_norm_scope=projection without a mixture of experts"),
+    (dict(moe=dict(every=2)), "model.moe.num_experts=8 with dense layers (0, 2 of 4: "
+                              "model.moe.every, first_dense, dense_layers) and no q/k norms: only "
+                              "Qwen3MoeForCausalLM"),
 ])
 def test_a_mixture_no_architecture_has_is_one_line(fields, fragment):
     with pytest.raises(ConversionError) as e:
@@ -440,3 +453,50 @@ def test_router_z_loss_coef_is_left_out_in_one_line():
         "with one; the model is the same)"]
     assert hf_config.model_fields(cfg)["moe"]["z_loss"] == 0.0
     assert hf_config.left_out(OLMOE) == []
+
+
+# -- Qwen3-MoE's dense layers -------------------------------------------------------------
+def test_qwen3_moe_dense_layers_import_and_export_as_transformers_builds_them(rng, tmp_path,
+                                                                            capsys):
+    """Qwen3-MoE of 6 layers, decoder_sparse_step=2 and mlp_only_layers=[3, 9] (9: past the
+    layers, which transformers never reads): a mixture of experts in layers 1 and 5, the dense
+    MLP of intermediate_size in 0, 2, 3 and 4 (model.moe.every=2, dense_layers="3", the MLPs in
+    the stacks moe_mlp and dense_mlp). Imported: transformers' logits, greedy tokens, and first
+    step's loss and aux loss (a mean over the MoE layers, not all 6). Config
+    fields written back (a first_dense layer is in mlp_only_layers) read to the same layers.
+    Exported: the checkpoint's tensors bit for bit, loading in transformers to its logits."""
+    from model.flops import moe_layers
+    build = lambda rng, eos: qwen3_moe(rng, eos, True, num_hidden_layers=6,  # noqa: E731
+                                       decoder_sparse_step=2, mlp_only_layers=[3, 9])
+    model = moe_model(rng, tmp_path / "hf", "qwen3_moe", build)
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == [
+        "Qwen3MoeMLP", "Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP", "Qwen3MoeMLP", "Qwen3MoeMLP",
+        "Qwen3MoeSparseMoeBlock"]
+    run = import_run(tmp_path / "hf", tmp_path / "run", "--config.data.seq_len=128",
+                     "--config.mesh.fsdp=1")
+    m = run.config.model
+    assert (m.moe.every, m.moe.dense_layers, m.moe.first_dense, m.ffn_dim) == (2, "3", 0, 96)
+    assert moe_layers(m) == (1, 5)
+    tokens = rng.integers(0, m.vocab_size, (2, 4 * ORIGINAL))
+    assert relative(our_logits(run, tokens), hf_logits(model, tokens)) < 1e-4
+    assert_greedy_tokens_match(rng, run, model, capsys)
+    out, loss, _, sums, _, _ = first_step(run, model, rng)  # pooled over the 2 MoE layers only
+    assert abs(float(sums["aux_loss"]) - float(out.aux_loss)) < 1e-5 * float(out.aux_loss)
+    assert abs(float(loss) - float(out.loss)) < 1e-5 * float(out.loss)
+    first = m.copy_and_resolve_references()
+    first.moe.update(first_dense=2, dense_layers="")  # layers 0 and 1 dense, 3 and 5 not
+    out = hf_config.hf_config(first, seq_len=64, dtype="float32", base=None, bos=None, eos=None)
+    assert (out["decoder_sparse_step"], out["mlp_only_layers"]) == (2, [1])
+    assert moe_layers(model_config(**{k: v for k, v in hf_config.model_fields(out).items()
+                                      if k != "rope_scaling"})) == (3, 5)
+
+    assert convert_hf.main(["export", "--run", str(run.directory), "--out",
+                            str(tmp_path / "out")]) == 0
+    original, exported = Tensors(tmp_path / "hf"), Tensors(tmp_path / "out")
+    assert original.names() == exported.names()
+    for name in original.names():
+        np.testing.assert_array_equal(original[name].view(np.uint8), exported[name].view(np.uint8))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    theirs = theirs.float().eval()
+    assert (theirs.config.decoder_sparse_step, theirs.config.mlp_only_layers) == (2, [3])
+    assert relative(hf_logits(theirs, tokens), hf_logits(model, tokens)) < 1e-5

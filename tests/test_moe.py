@@ -110,16 +110,128 @@ def test_the_load_balancing_loss_is_transformers_pooled_over_layers_without_padd
         assert abs(float(got["z_loss"]) - (lse ** 2 * real).sum() / real.sum()) < 1e-10
 
 
+# -- expert parallelism: the pairs sent to their experts' devices and back ---------------
+def test_the_padded_exchange_is_ragged_all_to_alls_documented_example():
+    """jax.lax.ragged_all_to_all's own example (its docstring), by the CPU's padded emulation."""
+    from jax.sharding import PartitionSpec as P
+    from parallel.experts import padded_ragged_all_to_all
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    args = [np.array(a, np.float32 if i < 2 else np.int32) for i, a in enumerate(
+        ([[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1]] * 2, [[1, 2], [1, 1]], [[0, 0], [1, 2]],
+         [[1, 1], [2, 1]]))]
+    run = jax.jit(jax.shard_map(
+        lambda *a: padded_ragged_all_to_all(*(v[0] for v in a), axis_name="x", chunk=2)[None],
+        mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
+    args = [jax.device_put(a, jax.NamedSharding(mesh, P("x"))) for a in args]
+    assert np.asarray(run(*args)).tolist() == [[1, 3, 0, 0], [2, 2, 4, 0]]
+
+
+@pytest.mark.parametrize("buffer,capacity", [(0.0, 0), (0.6, 0), (0.0, 1.0)],
+                         ids=["dropless", "small-buffer", "capacity"])
+def test_the_experts_all_to_all_are_the_float64_reference(rng, buffer, capacity):
+    """8 devices (fsdp 2 x sequence 4), each holding one of 8 experts and routing its own 60
+    tokens, a favourite expert overflowing: the outputs equal the dense float64 reference with
+    exactly the dropped pairs weighted 0. Dropless drops none; a receive buffer of 0.6 of a
+    device's pairs drops, at each expert's device, the pairs past it (later senders first); a
+    capacity drops each device's pairs past it (later tokens first), before they travel."""
+    from jax.sharding import PartitionSpec as P
+    from parallel.experts import experts_all_to_all
+    T, D, E, F, K, devices = 60, 8, 8, 6, 2, 8
+    x = rng.normal(0, 1, (devices * T, D))
+    router, w_gate, w_up, w_down = weights_of(rng, D, E, F)
+    router[:, 3] += 0.7
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    weights, experts, _ = moe.route(f32(x) @ f32(router), K)
+    cap = int(np.ceil(capacity * T * K / E)) if capacity else 0
+    mesh = jax.make_mesh((2, 4), ("fsdp", "sequence"), devices=jax.devices()[:devices])
+    ep = ("fsdp", "sequence")
+
+    def local(x, w, e, g, u, d):
+        y, dropped = experts_all_to_all(
+            x, w, e, g, u, d, axis_name=ep, num_experts=E,
+            grouped=lambda a, b, n: moe.grouped_matmul(a, b, n, "blocks"), exchange="padded",
+            receive_buffer=buffer, capacity=cap)
+        return y, jax.lax.psum(dropped, ep)
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(ep),) * 6, out_specs=(P(ep), P())))
+    args = [jax.device_put(a, jax.NamedSharding(mesh, P(ep))) for a in
+            (f32(x), weights, experts, f32(w_gate), f32(w_up), f32(w_down))]
+    got, dropped = run(*args)
+
+    # the drops as docs/moe.md states them, from the picks
+    e_TK = np.asarray(experts).reshape(devices, T, K)
+    keep = np.ones_like(e_TK, bool)
+    if cap:
+        for dev in range(devices):
+            taken = np.zeros(E, int)
+            for t in range(T):
+                for r in range(K):
+                    keep[dev, t, r] = taken[e_TK[dev, t, r]] < cap
+                    taken[e_TK[dev, t, r]] += 1
+    if buffer:
+        room = np.full(E, int(buffer * T * K))  # one expert a device here
+        for dev in range(devices):
+            for ex in range(E):
+                at = keep[dev] & (e_TK[dev] == ex)
+                n = at.sum()
+                taken = min(n, max(room[ex], 0))
+                room[ex] -= n
+                ranks = np.cumsum(at.reshape(-1)).reshape(T, K) - 1  # token order, then rank
+                keep[dev] &= ~(at & (ranks >= taken))
+    w64 = np.where(keep.reshape(-1, K), np.asarray(weights, np.float64), 0.0)
+    gate = np.einsum("td,edf->tef", x, w_gate)
+    every = np.einsum("tef,efd->ted", gate / (1 + np.exp(-gate)) * np.einsum(
+        "td,edf->tef", x, w_up), w_down)
+    want = np.einsum("tk,tkd->td", w64, np.take_along_axis(
+        every, np.asarray(experts)[:, :, None], 1))
+    assert int(dropped) == (~keep).sum() and ((~keep).sum() > 0) == bool(buffer or capacity)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_the_gpu_exchange_exports_for_cuda_as_ragged_all_to_all():
+    """A GPU's program (ragged_all_to_all and ragged_dot, which XLA:CPU cannot run): the forward
+    and backward of 4 devices' experts export for CUDA, each direction's pairs one
+    ragged-all-to-all (2 forward, their 2 transposes backward)."""
+    from jax import export
+    from jax.sharding import PartitionSpec as P
+    from parallel.experts import experts_all_to_all
+    T, D, E, F, K = 32, 16, 8, 8, 2
+    mesh = jax.make_mesh((4,), ("sequence",), devices=jax.devices()[:4])
+
+    def local(x, w, e, g, u, d, dy):
+        def f(x, g, u, d):
+            return experts_all_to_all(
+                x, w, e, g, u, d, axis_name=("sequence",), num_experts=E,
+                grouped=lambda a, b, n: moe.grouped_matmul(a, b, n, "ragged"),
+                exchange="ragged")[0]
+        y, vjp = jax.vjp(f, x, g, u, d)
+        return (y, *vjp(dy))
+
+    split = jax.NamedSharding(mesh, P("sequence"))
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=split)  # noqa: E731
+    x = sds((4 * T, D), jnp.bfloat16)
+    args = (x, sds((4 * T, K), jnp.float32), sds((4 * T, K), jnp.int32),
+            sds((E, D, F), jnp.bfloat16), sds((E, D, F), jnp.bfloat16),
+            sds((E, F, D), jnp.bfloat16), x)
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("sequence"),) * 7,
+                                out_specs=(P("sequence"),) * 5))
+    checks = [export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+    text = export.export(run, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    assert text.count("custom_call @ragged_all_to_all(") == 4
+    assert "ragged_dot" in text
+
+
 # -- the step on any mesh -----------------------------------------------------------------
 SEQ, BATCH = 64, 4
 
 
-def moe_config(mesh=None, impl="dense", layout="contiguous", microbatches=1):
+def moe_config(mesh=None, impl="dense", layout="contiguous", microbatches=1, dispatch="gather"):
     from configs import tiny
     c = tiny.get_config()
     c.model.update(vocab_size=128, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4,
                    ffn_dim=48, dtype="float32", remat="none")
-    c.model.moe.update(num_experts=8, top_k=2, expert_dim=16, aux_loss=0.05, z_loss=0.01)
+    c.model.moe.update(num_experts=8, top_k=2, expert_dim=16, aux_loss=0.05, z_loss=0.01,
+                       dispatch=dispatch)
     c.data.update(seq_len=SEQ, batch_size=BATCH)
     c.mesh.update(mesh or {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1})
     c.attention.update(impl=impl, layout=layout, ulysses=2, block_q=8, block_kv=8)
@@ -171,23 +283,24 @@ def one_device():
     return c, params, natural, step_of(c, params, natural, jax.devices()[:1])
 
 
-MESHES = [  # (impl, layout, mesh, microbatches)
-    ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1),
-    ("usp", "zigzag", {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 1),
+MESHES = [  # (impl, layout, mesh, microbatches, dispatch)
+    ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1, "gather"),
+    ("usp", "zigzag", {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 1, "all_to_all"),
 ]
 
 
-@pytest.mark.parametrize("impl,layout,mesh,microbatches", MESHES,
-                         ids=[f"{i}-{lay}-{'x'.join(map(str, m.values()))}-mb{k}"
-                              for i, lay, m, k in MESHES])
+@pytest.mark.parametrize("impl,layout,mesh,microbatches,dispatch", MESHES,
+                         ids=[f"{i}-{lay}-{'x'.join(map(str, m.values()))}-mb{k}-{d}"
+                              for i, lay, m, k, d in MESHES])
 def test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp(one_device, impl, layout,
-                                                                    mesh, microbatches):
-    """Striped over a ring of 8 with the experts split over it, and zigzag usp over fsdp 2 x
-    sequence 2 x tensor 2 (the experts split over fsdp x sequence, each one's width over
-    tensor): each device routes its own tokens; the loss (LM + aux + z), the aux loss, the load
-    and the gradient norm of one device, within fp32 noise."""
+                                                                    mesh, microbatches,
+                                                                    dispatch):
+    """Striped over a ring of 8 with the experts split over it (gathered to the tokens), and
+    zigzag usp over fsdp 2 x sequence 2 x tensor 2 with the experts split over fsdp x sequence,
+    each one's width over tensor, and the tokens sent to them by all-to-all: the loss (LM + aux
+    + z), the aux loss, the load and the gradient norm of one device, within fp32 noise."""
     c, params, natural, (want_loss, want_metrics, want_norm, _) = one_device
-    cm = moe_config(mesh, impl, layout, microbatches)
+    cm = moe_config(mesh, impl, layout, microbatches, dispatch)
     loss, metrics, norm, trainer = step_of(cm, params, natural, jax.devices()[:8])
     spec = trainer.param_shardings["blocks"]["mlp"]["w_gate"].spec
     assert spec[1] is not None  # the experts' axis is split over the devices
@@ -223,3 +336,115 @@ def test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens(one_devic
     assert abs(metrics["aux_loss"] - want_metrics["aux_loss"]) > 1e-4  # not the whole step's
     want = lm + c.model.moe.aux_loss * expected_aux + c.model.moe.z_loss * expected_z
     assert abs(loss - want) < 2e-5 * want
+
+
+# -- the per-sequence balance loss (model.moe.balance=sequence) ---------------------------
+def sequence_reference(logits, mask, E, K):
+    """float64 numpy, DeepSeek-V3's sequence-wise loss at the default's scale: per layer and
+    per row with real tokens, E * sum_e f_e P_e over the row's real tokens (f_e: picks per
+    token, summing to K; P_e: mean probability); the mean over layers and those rows."""
+    losses = []
+    for g in logits:  # [B, L, E] per layer
+        probs = np.exp(g - g.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        picks = np.argsort(-g, axis=-1, kind="stable")[..., :K]
+        for b in range(g.shape[0]):
+            real = mask[b] > 0
+            if real.any():
+                f = np.bincount(picks[b][real].reshape(-1), minlength=E) / real.sum()
+                losses.append(E * np.sum(f * probs[b][real].mean(0)))
+    return float(np.mean(losses))
+
+
+def test_the_per_sequence_balance_loss_is_the_float64_reference_on_any_split_of_the_rows(rng):
+    """router_stats' per-row sums give sequence_reference's loss with padding and a row of
+    padding only (not counted); on a mesh, each device's rows placed at their offset and
+    summed over fsdp 2 x sequence 4 (pool_stats) give the same per-row totals and loss."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from model.chunks import TOKEN_AXES
+    from parallel.mesh import BATCH_AXES, make_mesh
+    layers, B, L, E, K = 3, 4, 16, 6, 2
+    logits = rng.normal(0, 2, (layers, B, L, E))
+    mask = np.ones((B, L), int)
+    mask[1, 11:] = 0  # padding
+    mask[2] = 0  # a row of padding only
+    want = sequence_reference(logits, mask, E, K)
+
+    def stats_of(g, m):
+        g = g.reshape(-1, E)
+        return moe.router_stats(g, jax.nn.softmax(g, -1), jax.lax.top_k(g, K)[1], m,
+                                jnp.zeros((), jnp.int32))
+
+    with jax.enable_x64(True):
+        total = jax.tree.map(lambda *s: sum(s), *[stats_of(jnp.asarray(g), jnp.asarray(mask))
+                                                  for g in logits])
+        got = moe.aux_losses(total, E, K)
+        assert float(total["seq_rows"]) == 3 * layers
+        # (the pick counts are float32, as in the step: the fractions carry fp32 rounding)
+        assert abs(float(got["seq_aux_loss"]) - want) < 1e-6 * want
+        assert abs(float(got["seq_aux_loss"]) - float(got["aux_loss"])) > 1e-3  # not the batch's
+    mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, jax.devices()[:8])
+    tokens = P(BATCH_AXES, "sequence")
+    split = jax.jit(jax.shard_map(lambda g, m: moe.pool_stats(stats_of(g, m), TOKEN_AXES,
+                                                              BATCH_AXES),
+                                  mesh=mesh, in_specs=(P(*tokens, None), tokens), out_specs=P()))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    whole = jax.jit(stats_of)
+    on_mesh = [split(jax.device_put(f32(g), NamedSharding(mesh, P(*tokens, None))),
+                     jax.device_put(f32(mask), NamedSharding(mesh, tokens))) for g in logits]
+    for g, pooled in zip(logits, on_mesh):
+        one = whole(f32(g), f32(mask))
+        for key in ("row_picks", "row_probs", "row_tokens", "seq_loss", "seq_rows", "picks"):
+            np.testing.assert_allclose(np.asarray(pooled[key]), np.asarray(one[key]),
+                                       rtol=1e-5, atol=1e-5, err_msg=key)
+    total = jax.tree.map(lambda *s: sum(s), *on_mesh)
+    assert abs(float(moe.aux_losses(total, E, K)["seq_aux_loss"]) - want) < 1e-5 * want
+
+
+def sequence_config(mesh=None, impl="dense", layout="contiguous", microbatches=1):
+    c = moe_config(mesh, impl, layout, microbatches)
+    c.model.moe.balance = "sequence"
+    return c
+
+
+@pytest.fixture(scope="module")
+def sequence_one_device(one_device):
+    """The step with model.moe.balance=sequence on one device, on the batch with its second
+    row all padding; the language model's loss and the router statistics of the batch."""
+    from parallel.mesh import make_mesh
+    from training.state import Trainer
+    _, params, natural, _ = one_device
+    natural = {k: v.copy() for k, v in natural.items()}
+    natural["segment_ids"][1] = 0
+    natural["loss_mask"][1] = 0
+    c = sequence_config()
+    step = step_of(c, params, natural, jax.devices()[:1])
+    one = Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))
+    token_losses, stats = jax.device_get(jax.jit(one.forward)(params, natural))
+    return c, params, natural, step, token_losses, stats
+
+
+def test_the_per_sequence_loss_is_the_steps_and_exact_over_8_devices_and_microbatches(
+        sequence_one_device):
+    """model.moe.balance=sequence: the step's loss is the language model's + aux x the mean
+    per-row loss over the layers and the rows with real tokens + z x the z-loss; fsdp 2 x a
+    striped ring of 4 with 2 microbatches (each microbatch's rows over the whole step's row
+    count) gives the same loss, aux loss and gradient norm within fp32 noise: exact."""
+    c, params, natural, (want_loss, want_metrics, want_norm, _), token_losses, stats = \
+        sequence_one_device
+    e = c.model.moe
+    rows = int((natural["segment_ids"] > 0).any(1).sum())
+    assert rows == BATCH - 1
+    aux = float(stats["seq_loss"]) / (c.model.num_layers * rows)
+    assert abs(want_metrics["aux_loss"] - aux) < 1e-6 * aux
+    pooled = moe.aux_losses(stats, 8, 2)
+    assert abs(want_metrics["aux_loss"] - float(pooled["aux_loss"])) > 1e-4  # not the batch's
+    lm = float(token_losses.sum() / natural["loss_mask"].sum())
+    want = lm + e.aux_loss * aux + e.z_loss * float(pooled["z_loss"])
+    assert abs(want_loss - want) < 2e-6 * want
+    mesh = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+    loss, metrics, norm, _ = step_of(sequence_config(mesh, "ring", "striped", 2), params, natural,
+                                     jax.devices()[:8])
+    assert abs(loss - want_loss) < 1e-5 * want_loss
+    assert abs(metrics["aux_loss"] - want_metrics["aux_loss"]) < 1e-5 * want_metrics["aux_loss"]
+    assert abs(norm - want_norm) < 1e-4 * want_norm

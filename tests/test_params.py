@@ -177,3 +177,31 @@ def test_moe_counts_a_dense_mlp_of_k_experts_plus_the_router_in_flops():
     tiny = importlib.import_module("configs.tiny").get_config().model
     assert (param_count(m), matmul_params(m), active_param_count(m)) == (
         param_count(tiny), matmul_params(tiny), param_count(tiny))
+
+
+def test_moe_on_some_layers_counts_the_others_dense():
+    """model.moe.every / first_dense / dense_layers: 2 of 6 layers a mixture of experts (layers
+    3 and 5: every 2nd, the first 2 dense, layer 1 listed), the other 4 the dense MLP of
+    model.ffn_dim: the counts are the dense model's plus, on those 2 layers, the experts' in
+    place of the dense MLP; the decoder built holds exactly that many, in three stacks."""
+    from model.flops import (active_param_count, flops_per_token, matmul_params, moe_layers,
+                             total_matmul_params)
+    m = importlib.import_module("configs.moe_tiny").get_config().model
+    m.num_layers = 6
+    m.moe.update(num_experts=6, top_k=3, expert_dim=40, router_bias=True, every=2,
+                 first_dense=2, dense_layers="1")
+    assert moe_layers(m) == (3, 5)
+    dense = importlib.import_module("configs.tiny").get_config().model
+    dense.num_layers = 6
+    d, f, n, k, mlp = m.d_model, 40, 6, 3, 3 * m.d_model * m.ffn_dim
+    every = 2 * (d * n + n * 3 * d * f + n - mlp)  # 2 layers: router, bias, experts, not dense
+    assert _built_count(m) == param_count(m) == param_count(dense) + every
+    assert active_param_count(m) == param_count(m) - 2 * (n - k) * 3 * d * f
+    active = 2 * (d * n + k * 3 * d * f - mlp)
+    assert matmul_params(m) == matmul_params(dense) + active
+    assert total_matmul_params(m) == matmul_params(dense) + every - 2 * n
+    assert flops_per_token(m, 512) == flops_per_token(dense, 512) + 6 * active
+    abstract = nnx.eval_shape(lambda: Decoder(m, AttentionBackend(), nnx.Rngs(0)))
+    assert "mlp" not in nnx.to_pure_dict(nnx.state(abstract.blocks, nnx.Param))
+    assert abstract.moe_mlp.w_gate.shape == (2, n, d, f)
+    assert abstract.dense_mlp.w_gate.shape == (4, d, m.ffn_dim)

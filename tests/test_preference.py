@@ -462,3 +462,36 @@ def test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports(chat_run, pairs_
                             "--dtype", "float32"]) == 0
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.num_hidden_layers == 2
+
+
+# -- on a mixture of experts ------------------------------------------------------------------
+def test_dpo_on_a_mixture_of_experts_starts_at_ln2_plus_the_policys_aux_terms_and_steps(
+        chat_run, pairs_file, tmp_path):
+    """DPO runs on an MoE unchanged: the policy's forward adds its aux terms (aux x the
+    load-balancing loss + z x the z-loss of its router statistics on the batch), the reference's
+    (computed once, with the starting weights, outside the step) nothing. So the first step's
+    loss is ln 2 + those terms, and steps on the batch take the DPO loss below ln 2."""
+    from test_sft import moe_model
+    c = moe_model(config(chat_run, pairs_file, tmp_path))
+    c.train.lr = 1e-2
+    mesh = make_mesh(c.mesh, jax.devices()[:1])
+    pipe = make_pipeline(c, mesh)
+    trainer = Trainer(c, mesh)
+    params = trainer.init(0).params
+    pipe.prepare(trainer, params, tmp_path / "run", 0, lambda m: None)
+    batch = pipe.device_batch(0)
+    step = jax.jit(trainer._train_step)
+    state, metrics = step(trainer.state_of(params), batch)
+    metrics = jax.device_get(metrics)
+    assert abs(float(metrics["dpo_loss"]) - math.log(2)) < 1e-5
+    # the aux metrics are the batch's router statistics' (test_sft.py's MoE test holds that)
+    # about k = 2 (balanced) from a fresh router, which scores the experts nearly alike
+    assert abs(float(metrics["aux_loss"]) - 2) < 0.2 and float(metrics["z_loss"]) > 0
+    want = math.log(2) + 0.05 * float(metrics["aux_loss"]) + 0.01 * float(metrics["z_loss"])
+    assert abs(float(metrics["loss"]) - want) < 1e-6 * want
+    for _ in range(3):
+        state, metrics = step(state, batch)
+    metrics = jax.device_get(metrics)
+    assert np.isfinite(float(metrics["aux_loss"])) and int(metrics["bad_step"]) == -1
+    assert float(metrics["dpo_loss"]) < math.log(2) - 0.05
+    pipe.close()

@@ -504,3 +504,50 @@ def test_the_shipped_examples_answer_from_the_librarys_own_docstrings():
         assert doc == own, dotted
         checked += 1
     assert checked > 300
+
+
+# -- on a mixture of experts ------------------------------------------------------------------
+def moe_model(c):
+    """``c`` on a tiny mixture of experts in place of the run's dense MLPs (4 experts of width
+    32, 2 a token; aux 0.05, z 0.01), its weights fresh (``trainer.init``), not the run's."""
+    c.model.moe.update(num_experts=4, top_k=2, expert_dim=32, aux_loss=0.05, z_loss=0.01)
+    c.model.mlp_chunk = 0
+    return c
+
+
+def parts(trainer, params, batch):
+    """(fp32 logits, router statistics summed over the layers) of ``batch``: the model's own
+    forward (model/decoder.py), not the trainer's loss."""
+    from flax import nnx
+    model = nnx.merge(trainer.graphdef, params)
+    args = (batch["tokens"], batch["positions"], batch["segment_ids"])
+    return model(*args), model.hidden(*args, routed=True)[1]
+
+
+def test_sft_on_a_mixture_of_experts_adds_its_aux_terms_to_the_first_steps_loss(chat_run,
+                                                                                  tmp_path):
+    """SFT runs on an MoE unchanged: the first step's loss is the assistant tokens' mean
+    cross-entropy (float64, from the model's logits) + aux x the load-balancing loss + z x the
+    z-loss of the batch's router statistics (model/moe.py aux_losses: real tokens only), and
+    those are the step's metrics."""
+    from model import moe
+    c = moe_model(config(chat_run, tmp_path))
+    pipe, mesh = pipeline(c)
+    trainer = Trainer(c, mesh)
+    params = trainer.init(0).params
+    batch = pipe.device_batch(0)
+    loss, _, metrics = jax.device_get(jax.jit(trainer.loss_and_sums)(params, batch))
+    logits, stats = jax.device_get(jax.jit(parts, static_argnums=0)(trainer, params, batch))
+    host = jax.device_get(batch)
+    logits = np.asarray(logits, np.float64)
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    picked = -np.take_along_axis(logp, host["labels"][..., None], -1)[..., 0]
+    lm = float((picked * host["loss_mask"]).sum() / host["loss_mask"].sum())
+    aux = moe.aux_losses(stats, 4, 2)
+    real = int((host["segment_ids"] > 0).sum())
+    assert int(stats["tokens"]) == 2 * real and real < host["tokens"].size  # padding left out
+    for key in ("aux_loss", "z_loss"):
+        assert abs(float(metrics[key]) - float(aux[key])) < 1e-5 * float(aux[key]), key
+    want = lm + 0.05 * float(aux["aux_loss"]) + 0.01 * float(aux["z_loss"])
+    assert abs(float(loss) - want) < 1e-5 * want
+    pipe.close()

@@ -130,11 +130,13 @@ class Trainer:
         return loss, counts[self.objective.count_key]
 
     def counts(self, batch) -> dict:
-        """The objective's counts of the whole batch, and a mixture of experts' count of its
-        real tokens (what the router statistics are over)."""
+        """The objective's counts of the whole batch, and a mixture of experts' counts of its
+        real tokens and of its rows that hold one (what the router statistics, and the
+        per-sequence balance loss, are over)."""
         counts = self.objective.counts(batch)
         if moe.experts_of(self.config.model):
             counts["router_tokens"] = moe.real_tokens(batch["segment_ids"])
+            counts["router_rows"] = moe.real_rows(batch["segment_ids"])
         return counts
 
     def loss_and_sums(self, params, batch, counts=None):
