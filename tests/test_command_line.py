@@ -35,7 +35,7 @@ TRAIN = ["train.py", "--config", "configs/tiny.py", "--workdir", "runs/never"]
      "error: --config.train.stepz: no such field; nearest: train.steps, train.eps, train.seed"),
     (["train.py", "--config", "configs/tiny.py", "--config.modle.num_layers", "3"],
      "error: --config.modle.num_layers: no such field; nearest: model.num_layers, "
-     "model.scan_layers, model.num_heads"),
+     "model.scan_layers, model.moe.dense_layers"),
     (["train.py", "--config", "configs/tyni.py", "--config.train.steps=3"],
      "error: --config configs/tyni.py: no such file; nearest: configs/tiny.py"),
     (["train.py", "--config=configs/missing.py"],
