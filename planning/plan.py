@@ -114,6 +114,10 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
     colls_by_remat, programs = {}, {}  # per remat: the compiled program's collectives
     if not compile_program:
         plan["notes"].append("--no-compile: no memory figures; FSDP traffic estimated analytically")
+        if m.get("moe") and m.moe.num_experts and m.moe.get("dispatch") == "all_to_all":
+            # the estimate gathers each layer's experts; only the compiled step has the exchange
+            plan["notes"].append("--no-compile: the experts' traffic is estimated as "
+                                 "dispatch=gather's; compile to count the all-to-all's")
     else:
         devices = (jax.devices() if devices is None else devices)
         if len(devices) < num_devices:

@@ -653,3 +653,14 @@ def test_a_moe_plan_holds_every_expert_and_counts_the_active_flops():
     text = markdown(plan)
     assert f"| parameters, every expert | {plan['params']:,} " in text
     assert f"| parameters a token reads (2 of 8 experts of 176) | {plan['active_params']:,} " in text
+
+
+def test_a_plan_not_compiled_says_the_all_to_all_dispatch_is_estimated_as_the_gather():
+    """--no-compile estimates the experts' traffic as FSDP's gather: with
+    model.moe.dispatch=all_to_all its report says so, with the default it does not."""
+    config = importlib.import_module("configs.moe_tiny").get_config()
+    mesh = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
+    notes = lambda c: make_plan(c, mesh, 256, 1, "h100", compile_program=False)["notes"]  # noqa
+    assert not any("all-to-all" in n for n in notes(config))
+    config.model.moe.dispatch = "all_to_all"
+    assert any("estimated as dispatch=gather's" in n for n in notes(config))
