@@ -157,6 +157,11 @@ def test_the_experts_all_to_all_are_the_float64_reference(rng, buffer, capacity)
     args = [jax.device_put(a, jax.NamedSharding(mesh, P(ep))) for a in
             (f32(x), weights, experts, f32(w_gate), f32(w_up), f32(w_down))]
     got, dropped = run(*args)
+    if not buffer and not cap:  # the planner finds the exchange by its scope (step_time.py)
+        from parallel.experts import EXCHANGE_SCOPE
+        from planning.collectives import collectives
+        found = collectives(run.lower(*args).compile().as_text(), devices)
+        assert sum(c.kind == "all-to-all" and EXCHANGE_SCOPE in c.op_name for c in found) >= 2
 
     # the drops as docs/moe.md states them, from the picks
     e_TK = np.asarray(experts).reshape(devices, T, K)
