@@ -52,13 +52,16 @@ def test_tokens_per_s_counts_each_interval_once_when_dispatch_blocks(tmp_path, m
     clock = VirtualClock()
     monkeypatch.setattr(loop, "time", clock)
     monkeypatch.setattr(loop, "Trainer", blocking_dispatch(clock))
-    # the reference run's schedule, so its compiled step is reused (a schedule is in the program)
-    config = tr.config(**{"train.log_every": 8, "train.eval_batches": 0, "checkpoint.every": 0})
+    # One layer, 8 steps: the model and schedule of tests/test_faults.py's runs (SANE), so
+    # their compiled step and initialiser serve both files (a schedule is in the program)
+    steps, every = 8, 2
+    config = tr.config(**{"model.num_layers": 1, "train.steps": steps, "train.log_every": every,
+                          "train.eval_batches": 0, "checkpoint.every": 0})
     loop.run(config, tmp_path)
     records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(8, tr.STEPS + 1, 8))
-    # seconds per step as logged (step 8: the 7 steps after the compiled first; then 8 each):
-    # a clock read one dispatch late gives 8/7 of a step at step 8 and 7/8 at the last
+    assert [r["step"] for r in records] == list(range(every, steps + 1, every))
+    # seconds per step as logged (step 2: the step after the compiled first; then 2 each): a
+    # clock read one dispatch late gives 2 steps' time at step 2 and half a step's at the last
     per_step = [config.data.batch_size * config.data.seq_len / r["tokens_per_s"] for r in records]
     assert per_step == pytest.approx([PAUSE_S] * len(records), rel=1e-9), per_step
     lr = schedule(config.train)

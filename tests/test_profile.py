@@ -108,10 +108,13 @@ def test_the_gpu_trace_options_are_options_this_jax_knows():
 
 
 def test_profile_of_a_cpu_step_adds_up_to_the_step(tmp_path, capsys):
+    # the tiny config's step on 2 rows of 256 tokens (a row per fsdp shard): the same ops as on
+    # its 8 x 512, an eighth of the tokens to run
     out = tmp_path / "profile.json"
     code = profile_step.main(["--config", "configs/tiny.py", "--steps", "2", "--warmup", "1",
                               "--trace-dir", str(tmp_path / "trace"), "--json", str(out),
-                              "--config.data.seq_len=256", "--config.model.remat=full"])
+                              "--config.data.seq_len=256", "--config.data.batch_size=2",
+                              "--config.model.remat=full"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "| attention backward |" in printed and "| host gaps |" in printed

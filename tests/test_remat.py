@@ -2,6 +2,9 @@
 
 The budgets come from the tiny config's own compiled steps (``train.memory_budget_gib``), so
 each test forces one choice: every policy's step is compiled once per session for the mesh.
+The tiny config's attention is dense here: its steps compile in about half the CPU time of the
+ring's, and the choice reads only their compiled sizes (the ring under the remat policies:
+tests/test_attention.py's residuals under remat, the planner's and the profiler's steps).
 """
 import functools
 
@@ -20,6 +23,7 @@ GIB = 2 ** 30
 def config(budget_bytes=0.0):
     c = tiny.get_config()
     c.data.seq_len = 256
+    c.attention.impl = "dense"
     c.model.remat = "auto"
     c.train.memory_budget_gib = budget_bytes / GIB
     return c
@@ -75,11 +79,13 @@ def test_no_budget_on_a_cpu_compiles_nothing():
 
 
 def test_the_run_keeps_auto_and_the_trainer_gets_the_policy():
+    """remat.resolve as the trainer calls it, its measure the trainer's step_bytes memoised
+    (compiled_total: the same programs, not traced and compiled again)."""
     c = config(compiled_total("attention") + 1024)
     mesh = make_mesh(c.mesh)
-    resolved, line = remat.resolve(c, mesh, step_bytes)
+    resolved, line = remat.resolve(c, mesh, counting_compile([]))
     assert resolved.model.remat == "attention" and c.model.remat == "auto" and line
-    fixed, line = remat.resolve(remat.with_remat(c, "full"), mesh, step_bytes)
+    fixed, line = remat.resolve(remat.with_remat(c, "full"), mesh, counting_compile([]))
     assert fixed.model.remat == "full" and line is None
 
 

@@ -5,8 +5,10 @@ another mesh and layout.
 
 The reference run and the run stopped by a real SIGTERM are train.py processes; the other runs
 go through train.py's entry after its flags in this process (tests/trained_run.py's entry: the
-same run, exit code and lines, without a Python and JAX start each). Every run uses the
-reference's training program (its 40-step schedule), so none compiles one of its own."""
+same run, exit code and lines, without a Python and JAX start each). Every run but the
+weights-only one uses the reference's training program (its 40-step schedule), so none compiles
+one of its own; the weights-only run trains EVERY steps on a schedule of its own (one program
+more, about a second, for 32 steps fewer)."""
 import functools
 import json
 import os
@@ -120,16 +122,19 @@ def test_resume_after_sigterm_continues_bit_for_bit(reference, interrupted):
         assert np.array_equal(a, b)
 
 
-def test_broken_checkpoints_are_skipped_with_a_message(reference, interrupted):
+def test_broken_checkpoints_are_skipped_with_a_message(reference):
     """Three ways a save can be left broken, all newer than the last good one (a periodic,
     asynchronous save while training went on): a
     writer killed mid-save (orbax's tmp directory), a copy cut short before its commit marker,
-    and a step whose array files were truncated."""
-    _, snapshot, _, output = interrupted
-    s = stopped_step(output)
+    and a step whose array files were truncated. On a copy of the reference without its final
+    checkpoint, as a run killed after logging its last steps leaves it: the newest periodic one
+    (s) truncated, so the run resumes EVERY steps before it, near the end (fewer steps to train
+    again than from the stopped run's)."""
+    s = tr.STEPS - tr.EVERY
     workdir = tr.SESSION / "broken"
-    shutil.copytree(snapshot, workdir)
+    shutil.copytree(reference, workdir)
     ckpt = workdir / "checkpoints"
+    shutil.rmtree(ckpt / str(tr.STEPS))
     good = newest_periodic_before(s)
     for f in (ckpt / str(s) / "state" / "d").iterdir():
         os.truncate(f, 16)
@@ -146,7 +151,7 @@ def test_broken_checkpoints_are_skipped_with_a_message(reference, interrupted):
     assert f"resuming from step {good} ({ckpt / str(good)})" in said
     assert "Traceback" not in out.stdout + out.stderr
     assert_same_losses(workdir, reference, range(good + 1, tr.STEPS + 1))
-    # The steps the stopped run had logged past the restored checkpoint are logged once only.
+    # The steps the killed run had logged past the restored checkpoint are logged once only.
     assert len((workdir / "metrics.jsonl").read_text().splitlines()) == tr.STEPS
     skipped = sorted(p.name.split("-")[0] for p in (ckpt / "skipped").iterdir())
     assert skipped == sorted([str(s), str(s + 1)])
@@ -192,16 +197,17 @@ def test_other_long_context_data_stops_with_one_line(reference):
 
 
 def test_restore_from_weights_only(reference, tmp_path):
-    """The reference's final weights, a fresh optimizer and data iterator, the same schedule."""
+    """The reference's final weights, a fresh optimizer and data iterator, a schedule of its
+    own (EVERY steps)."""
     workdir = tmp_path / "finetune"
     out = tr.entry(workdir, **{"checkpoint.restore_from": str(reference),
-                               "checkpoint.restore_weights_only": True})
+                               "checkpoint.restore_weights_only": True, "train.steps": tr.EVERY})
     assert out.returncode == 0, out.stderr[-3000:]
     assert (f"starting from the weights of step {tr.STEPS} "
             f"({reference / 'checkpoints' / str(tr.STEPS)})") in out.stdout
     # Step 0's held-out loss is the reference's final one: the very same weights.
     assert tr.evals(workdir)[0]["eval_loss"] == tr.evals(reference)[tr.STEPS]["eval_loss"]
-    assert sorted(tr.metrics(workdir)) == list(range(1, tr.STEPS + 1))
+    assert sorted(tr.metrics(workdir)) == list(range(1, tr.EVERY + 1))
     data = json.loads((workdir / "checkpoints" / str(tr.EVERY) / "data" / "metadata").read_text())
     # A fresh data iterator: EVERY batches of 4 rows from the start of the first epoch.
     assert data["epoch"] * data["rows_per_epoch"] + data["row"] == tr.EVERY * 4

@@ -99,8 +99,8 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh, chunks):
 def test_the_initialiser_draws_the_same_parameters_on_one_device_and_on_a_mesh():
     """``trainer.init(seed)`` on one device and on fsdp 2 x sequence 2 x tensor 2 (every axis
     the parameters are split over; the q/k/v biases too): the same parameters, so a run's
-    start depends on its seed, not on its mesh. (The sharded-step and microbatch tests draw
-    their parameters with numpy: the initialiser's program takes seconds to compile.)"""
+    start depends on its seed, not on its mesh. (The sharded-step, microbatch and bf16 tests
+    draw their parameters with numpy: the initialiser's program takes seconds to compile.)"""
     seed = int(np.random.default_rng().integers(0, 2**31))
     one = {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
     mesh = {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}
@@ -129,11 +129,22 @@ def test_microbatches_equal_the_single_batch_step():
     c = config("ring", "striped", RING, RING_CHUNKS)
     c.train.microbatches = k
     trainer = Trainer(c, make_mesh(c.mesh))
-    # One program for the k-microbatch gradients and the step's metrics (XLA computes the
-    # gradients once for both).
-    both = jax.jit(lambda state, batch: (trainer.gradients(state.params, batch),
-                                         trainer._train_step(state, batch)[1]))
-    (lossk, countk, gk, _), metrics = jax.device_get(both(state, batch))
+    # One program: the step, and the k-microbatch gradients it applies, taken from its own call
+    # of trainer.gradients as it is traced (a second call beside it compiled them twice).
+    seen = {}
+    gradients = trainer.gradients
+
+    def spied(params, batch):
+        seen["gradients"] = gradients(params, batch)
+        return seen["gradients"]
+
+    trainer.gradients = spied
+
+    def step(state, batch):
+        metrics = trainer._train_step(state, batch)[1]
+        return seen["gradients"], metrics
+
+    (lossk, countk, gk, _), metrics = jax.device_get(jax.jit(step)(state, batch))
     assert float(count1) == float(countk) == batch_np["loss_mask"].sum()
     assert abs(lossk - loss1) < 2e-6 * abs(loss1)
     for got, want in zip(jax.tree.leaves(gk), jax.tree.leaves(g1)):
@@ -159,10 +170,12 @@ OWN_RUN_RTOL = 3e-3  # any step
 
 def bf16_and_fp32_losses(fp32, bf16, batches, seed):
     """Per step: the fp32 run's loss, the bf16 step's at the fp32 run's parameters, and the bf16
-    run's, both runs from the same (fp32) initial parameters."""
+    run's, both runs from the same (fp32) initial parameters, drawn from ``seed`` as the
+    initialiser draws them (helpers.initial_params: its program takes seconds to compile)."""
     import jax.numpy as jnp
     copy = lambda state: jax.tree.map(jnp.copy, state)  # the steps donate their state
-    state32 = fp32.init(seed)
+    state32 = initial_state(fp32, initial_params(np.random.default_rng(seed), fp32.config,
+                                                 fp32.abstract_state.params))
     state16 = copy(state32)
     losses = []
     for batch in batches:
