@@ -50,7 +50,7 @@ def _mesh_axes(mesh, axis, batch, heads_q, heads_kv):
 
 def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment_ids=None,
                                axis="sequence", causal=True, stripe=1, block_q=None, block_kv=None,
-                               kernel="auto", impl="ring", ulysses=None, window=0):
+                               kernel="auto", impl="ring", ulysses=None, window=0, sinks=None):
     """Exact attention with L split over ``mesh[axis]``, in any token layout.
 
     q ``[B, L, Hq, D]``, k/v ``[B, L, Hkv, D]`` in layout order along L; ``positions [B, L]``
@@ -67,6 +67,9 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     ``p - W < k_pos <= p``. With the contiguous layout's own positions (``positions=None``) a
     ring then stops after the rounds the window reaches (``parallel/window.py``); explicit
     positions keep every round, since nothing bounds how far back they reach.
+    ``sinks``: attention sinks (gpt-oss), a logit per query head ``[Hq]`` that joins every row's
+    softmax denominator (``softmax([scores, sink])[:-1] @ V``), once, after the last round;
+    differentiable.
     """
     window = sliding.check(window, causal)
     if impl not in IMPLS:
@@ -112,7 +115,12 @@ def context_parallel_attention(q, k, v, *, mesh, layout, positions=None, segment
     positions = positions.astype(jnp.int32)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    return _attention(q, k, v, positions, segment_ids, call)
+    if sinks is not None:
+        if jnp.shape(sinks) != (hq,):
+            raise ValueError(f"sinks must be one logit per query head, [{hq}]; got "
+                             f"{jnp.shape(sinks)}")
+        sinks = jnp.asarray(sinks, jnp.float32)
+    return _attention(q, k, v, positions, segment_ids, sinks, call)
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -132,40 +140,44 @@ def _reshard(x, spec_or_like, call):
     return jax.sharding.reshard(x, jax.sharding.NamedSharding(call.mesh, spec))
 
 
-def _forward(q, k, v, positions, segment_ids, call: Call):
+def _forward(q, k, v, positions, segment_ids, sinks, call: Call):
     # Positions (often constants) are the same in every layer: without tying them to q/k/v,
     # autodiff through a remat'd layer scan treats everything computed from them alone
     # (tile cases, masks) as known, and would hoist it out of the scan as stacked residuals.
     q, k, v, positions, segment_ids = lax.optimization_barrier((q, k, v, positions, segment_ids))
-    has_seg = segment_ids is not None
-    args = (q, k, v, positions, segment_ids)
+    has_seg, has_sink = segment_ids is not None, sinks is not None
+    args = (q, k, v, positions, segment_ids) + ((sinks,) if has_sink else ())
     with jax.named_scope("attention_fwd"):  # training/profile.py's row
-        return engine.forward_program(call, has_seg)(
-            *(_reshard(x, s, call) for x, s in zip(args, call.fwd_specs(has_seg))))
+        return engine.forward_program(call, has_seg, has_sink)(
+            *(_reshard(x, s, call) for x, s in zip(args, call.fwd_specs(has_seg, has_sink))))
 
 
-def _backward(q, k, v, positions, segment_ids, out, lse, dout, call: Call):
-    has_seg = segment_ids is not None
-    args = (q, k, v, positions, segment_ids, out, lse, dout)
+def _backward(q, k, v, positions, segment_ids, out, lse, dout, sinks, call: Call):
+    has_seg, has_sink = segment_ids is not None, sinks is not None
+    args = (q, k, v, positions, segment_ids, out, lse, dout) + ((sinks,) if has_sink else ())
     with jax.named_scope("attention_bwd"):
-        return engine.backward_program(call, has_seg)(
-            *(_reshard(x, s, call) for x, s in zip(args, call.bwd_specs(has_seg))))
+        return engine.backward_program(call, has_seg, has_sink)(
+            *(_reshard(x, s, call) for x, s in zip(args, call.bwd_specs(has_seg, has_sink))))
 
 
-def _cp_fwd_rule(q, k, v, positions, segment_ids, call):
-    out, lse = _forward(q, k, v, positions, segment_ids, call)
-    return _reshard(out, q, call), (q, k, v, positions, segment_ids, out, lse)
+def _cp_fwd_rule(q, k, v, positions, segment_ids, sinks, call):
+    out, lse = _forward(q, k, v, positions, segment_ids, sinks, call)
+    return _reshard(out, q, call), (q, k, v, positions, segment_ids, sinks, out, lse)
 
 
 def _cp_bwd_rule(call, res, dout):
-    q, k, v, positions, segment_ids, out, lse = res
-    dq, dk, dv = _backward(q, k, v, positions, segment_ids, out, lse, dout, call)
-    return _reshard(dq, q, call), _reshard(dk, k, call), _reshard(dv, v, call), None, None
+    q, k, v, positions, segment_ids, sinks, out, lse = res
+    grads = _backward(q, k, v, positions, segment_ids, out, lse, dout, sinks, call)
+    dq, dk, dv = grads[:3]
+    # The sinks' gradient: its rows summed over batch and sequence (across their shards).
+    dsinks = None if sinks is None else jnp.sum(grads[3], axis=(0, 1))
+    return (_reshard(dq, q, call), _reshard(dk, k, call), _reshard(dv, v, call), None, None,
+            dsinks)
 
 
-def _cp_primal(q, k, v, positions, segment_ids, call):
-    return _reshard(_forward(q, k, v, positions, segment_ids, call)[0], q, call)
+def _cp_primal(q, k, v, positions, segment_ids, sinks, call):
+    return _reshard(_forward(q, k, v, positions, segment_ids, sinks, call)[0], q, call)
 
 
-_attention = jax.custom_vjp(_cp_primal, nondiff_argnums=(5,))
+_attention = jax.custom_vjp(_cp_primal, nondiff_argnums=(6,))
 _attention.defvjp(_cp_fwd_rule, _cp_bwd_rule)

@@ -24,9 +24,12 @@ def ring_mesh(n, axis_types=AxisType.Auto):
 # ----------------------------------------------------------------------------- reference
 
 
-def reference(q, k, v, dout, positions, segment_ids, causal=True, window=0):
+def reference(q, k, v, dout, positions, segment_ids, causal=True, window=0, sinks=None):
     """float64 attention and its gradients (w.r.t. q, k, v for the cotangent ``dout``);
-    ``window`` W > 0: a query at p also needs ``k_pos > p - W`` (Mistral's sliding window).
+    ``window`` W > 0: a query at p also needs ``k_pos > p - W`` (Mistral's sliding window);
+    ``sinks [Hq]``: gpt-oss's attention sinks, a logit per head as one more column of every
+    row's softmax, dropped after it (transformers' ``eager_attention_forward``): then the
+    sinks' gradient is returned too.
 
     Written independently of the code under test: K/V are repeated per query head group.
     """
@@ -45,17 +48,26 @@ def reference(q, k, v, dout, positions, segment_ids, causal=True, window=0):
     mask = mask[:, None]  # [B, 1, Lq, Lk]
     s = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
     s = np.where(mask, s, -np.inf)
+    if sinks is not None:  # the sink's column, last
+        column = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
+                                 (*s.shape[:3], 1))
+        s = np.concatenate([s, column], axis=-1)
     m = s.max(-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     denom = p.sum(-1, keepdims=True)
     p = p / np.where(denom > 0, denom, 1.0)
+    if sinks is not None:
+        p, p_sink = p[..., :-1], p[..., -1]
     out = np.einsum("bhqk,bkhd->bqhd", p, vr)
     dp = np.einsum("bqhd,bkhd->bhqk", dout, vr)
-    ds = p * (dp - np.einsum("bqhd,bqhd->bhq", dout, out)[..., None])
+    delta = np.einsum("bqhd,bqhd->bhq", dout, out)
+    ds = p * (dp - delta[..., None])
     dq = np.einsum("bhqk,bkhd->bqhd", ds, kr) * scale
     dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
     group = lambda x: x.reshape(*x.shape[:2], hkv, g, x.shape[-1]).sum(3)
+    if sinks is not None:  # the sink's value is 0: its score's gradient is p_sink * (0 - delta)
+        return out, dq, group(dk), group(dv), -(p_sink * delta).sum(axis=(0, 2))
     return out, dq, group(dk), group(dv)
 
 

@@ -87,6 +87,27 @@ def finalize(acc: Acc):
     return out, lse
 
 
+def with_sink(out, lse, sink):
+    """Attention sinks (gpt-oss): a logit per head that joins every row's softmax denominator
+    and adds nothing to the output, ``softmax([scores, sink])[:-1] @ V``. Applied once to the
+    finished rows (``out [B, K, C, G, D]``, ``lse [B, K, C, G]``), never per round: the output
+    shrinks by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``. The backward then needs
+    nothing new: with ``out'`` and ``lse'`` as its residuals, the usual ``exp(s - lse')`` and row
+    sums of ``dout * out'`` are the sinked softmax's. A row that saw no key keeps output 0 and
+    lse +inf (all its mass on the sink)."""
+    seen = jnp.isfinite(lse)
+    new = jnp.where(seen, jnp.logaddexp(jnp.where(seen, lse, 0.0), sink), jnp.inf)
+    shrink = jnp.where(seen, jnp.exp(jnp.where(seen, lse - new, 0.0)), 0.0)
+    return out * shrink[..., None], new
+
+
+def sink_grad(lse, delta, sink):
+    """d loss / d sink per row (``[B, K, C, G]``): ``-p_sink * delta`` with ``p_sink =
+    exp(sink - lse')`` (``lse'`` with the sink, +inf for a row that saw no key: 0) and ``delta``
+    the row sums of ``dout * out'``."""
+    return -jnp.exp(sink - lse) * delta
+
+
 def merge(acc: Acc, o, lse) -> Acc:
     """Adds a round's normalised output ``o`` and logsumexp (-inf: saw nothing) exactly: a
     round is an accumulator with ``m = lse`` and ``l = 1``."""

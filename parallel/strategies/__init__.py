@@ -45,6 +45,11 @@ class Strategy:
     def to_seq(self, x):
         return x
 
+    def heads(self, x_H):
+        """This device's share, in ``meet``'s head order, of a per-query-head array ``[H]``
+        (the tensor shard's heads): all of them unless the queries were split by heads."""
+        return x_H
+
 
 def get(call) -> Strategy:
     """The strategy of a call (``call.impl``)."""

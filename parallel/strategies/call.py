@@ -49,15 +49,18 @@ class Call:
         role = {"b": self.batch_axes or None, "s": self.axis, "h": self.head_axis, None: None}
         return P(*(role[n] for n in names))
 
-    def fwd_specs(self, has_seg):
-        """In-specs of the forward: q, k, v, positions, segment ids."""
+    def fwd_specs(self, has_seg, has_sink=False):
+        """In-specs of the forward: q, k, v, positions, segment ids (and the sinks ``[Hq]``)."""
         qspec = self.spec("b", "s", "h", None)
-        return (qspec, qspec, qspec, self.spec("b", "s"), self.spec("b", "s") if has_seg else None)
+        sink = (self.spec("h"),) if has_sink else ()
+        return (qspec, qspec, qspec, self.spec("b", "s"),
+                self.spec("b", "s") if has_seg else None) + sink
 
-    def bwd_specs(self, has_seg):
-        """In-specs of the backward: the forward's, then out, lse, dout."""
+    def bwd_specs(self, has_seg, has_sink=False):
+        """In-specs of the backward: the forward's, then out, lse, dout (and the sinks)."""
         qspec = self.spec("b", "s", "h", None)
-        return self.fwd_specs(has_seg) + (qspec, self.lse_spec(), qspec)
+        sink = (self.spec("h"),) if has_sink else ()
+        return self.fwd_specs(has_seg) + (qspec, self.lse_spec(), qspec) + sink
 
     def lse_spec(self):
         return self.spec("b", "h", "s", None)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel import kernels, strategies
+from parallel.kernels import accumulators as ac
 from parallel.strategies.rounds import Rounds
 
 
@@ -62,14 +63,16 @@ def ring_backward(strategy, kv, dq, grads):
 
 
 def forward_local(call):
-    """Per device: sequence-sharded q, k, v, positions, segment ids -> output (sequence-sharded)
-    and the logsumexp in whatever layout this strategy's backward reads."""
+    """Per device: sequence-sharded q, k, v, positions, segment ids (and the tensor shard's
+    attention sinks ``[H]``, if any) -> output (sequence-sharded) and the logsumexp in whatever
+    layout this strategy's backward reads."""
     strategy = strategies.get(call)
 
-    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC):
+    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, sink_H=None):
         q, pos, seg, kv = strategy.meet(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC)
         r = Rounds(call, q, pos, seg, kv.k.shape[1], q_BCHD.shape[1])
-        out, lse = r.finish(ring_forward(strategy, kv, r.init(), r.attend))
+        sink = None if sink_H is None else strategy.heads(sink_H)
+        out, lse = r.finish(ring_forward(strategy, kv, r.init(), r.attend), sink)
         return strategy.to_seq(out), lse
     return local
 
@@ -78,16 +81,24 @@ def backward_local(call):
     strategy = strategies.get(call)
     needs_out = getattr(kernels.rounds(call.kernel), "NEEDS_OUT", False)
 
-    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKSG, dout_BCHD):
+    def local(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC, out_BCHD, lse_BKSG, dout_BCHD,
+              sink_H=None):
         # Row sums of dout * out where the output lives: [B, C, Hq] moves instead of the output.
         delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
         q, pos, seg, kv = strategy.meet(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC)
         out = strategy.to_heads(out_BCHD) if needs_out else None
+        delta_heads = strategy.to_heads(delta)
         r = Rounds(call, q, pos, seg, kv.k.shape[1], q_BCHD.shape[1], lse_BKSG,
-                   strategy.to_heads(dout_BCHD), strategy.to_heads(delta), out)
+                   strategy.to_heads(dout_BCHD), delta_heads, out)
         dq, dk, dv = ring_backward(strategy, kv, r.zeros_dq(), r.grads)
-        return (strategy.to_seq(r.finish_dq(dq)), strategy.home(dk, k_BCKD.dtype),
-                strategy.home(dv, v_BCKD.dtype))
+        grads = (strategy.to_seq(r.finish_dq(dq)), strategy.home(dk, k_BCKD.dtype),
+                 strategy.home(dv, v_BCKD.dtype))
+        if sink_H is None:
+            return grads
+        # The sinks' gradient per query row, back where the queries live: [B, C, Hq] (summed
+        # over rows outside, where the batch and sequence shards meet).
+        d_BKSG = ac.sink_grad(lse_BKSG, r.rows[2], r.sink_rows(strategy.heads(sink_H)))
+        return grads + (strategy.to_seq(ac.from_q_major(d_BKSG[..., None])[..., 0]),)
     return local
 
 
@@ -96,17 +107,18 @@ def backward_local(call):
 # same sequence-sharded inputs to the same outputs; the logsumexp residual is in whatever
 # per-device layout the strategy's backward reads.
 @functools.lru_cache(maxsize=None)
-def forward_program(call, has_seg: bool):
+def forward_program(call, has_seg: bool, has_sink: bool = False):
     qspec = call.spec("b", "s", "h", None)
     return jax.jit(jax.shard_map(forward_local(call), mesh=call.mesh,
-                                 in_specs=call.fwd_specs(has_seg),
+                                 in_specs=call.fwd_specs(has_seg, has_sink),
                                  out_specs=(qspec, call.lse_spec()),
                                  check_vma=call.kernel == "xla"))
 
 
 @functools.lru_cache(maxsize=None)
-def backward_program(call, has_seg: bool):
+def backward_program(call, has_seg: bool, has_sink: bool = False):
     qspec = call.spec("b", "s", "h", None)
+    out_specs = (qspec, qspec, qspec) + ((call.spec("b", "s", "h"),) if has_sink else ())
     return jax.jit(jax.shard_map(backward_local(call), mesh=call.mesh,
-                                 in_specs=call.bwd_specs(has_seg),
-                                 out_specs=(qspec, qspec, qspec), check_vma=call.kernel == "xla"))
+                                 in_specs=call.bwd_specs(has_seg, has_sink),
+                                 out_specs=out_specs, check_vma=call.kernel == "xla"))

@@ -108,10 +108,18 @@ class Rounds:
         attend = lambda query, kv, acc: (self.kernel.attend(self.spec, query, kv, acc), ())
         return self._pairs(kv, False, attend, acc, ())[0]
 
-    def finish(self, acc: ac.Acc):
-        """Output ``[B, S, Hq, D]`` in the queries' dtype and the logsumexp ``[B, K, S, G]``."""
+    def finish(self, acc: ac.Acc, sink_H=None):
+        """Output ``[B, S, Hq, D]`` in the queries' dtype and the logsumexp ``[B, K, S, G]``;
+        with attention sinks (a logit per local query head), each row's softmax also counts
+        ``exp(sink)`` (``ac.with_sink``)."""
         out, lse = ac.finalize(acc)
+        if sink_H is not None:
+            out, lse = ac.with_sink(out, lse, self.sink_rows(sink_H))
         return ac.from_q_major(out).astype(self.q.dtype), lse
+
+    def sink_rows(self, sink_H):
+        """``[H] -> [1, K, 1, G]``: query head ``h`` is ``(h // G, h % G)``."""
+        return sink_H.astype(jnp.float32).reshape(1, self.hkv, 1, -1)
 
     # ------------------------------------------------------------------------- backward
 

@@ -84,6 +84,15 @@ class Usp(Strategy):
     def to_seq(self, x_BSH_):
         return self._a2a(x_BSH_, 1, 2)
 
+    def heads(self, x_H):
+        """Member ``u`` of a group holds heads ``[u H/U, (u+1) H/U)`` after ``to_heads``."""
+        u = self.call.ulysses
+        if u == 1:
+            return x_H
+        share = x_H.shape[0] // u
+        member = lax.axis_index(self.call.axis) % u
+        return lax.dynamic_slice_in_dim(x_H, member * share, share)
+
     def _gather(self, x_BC):
         if x_BC is None or self.call.ulysses == 1:
             return x_BC
