@@ -59,6 +59,10 @@ SLOW = {
     "test_kernels.py::test_rows_with_no_visible_key_and_empty_rounds": "Pallas interpret mode",
     "test_kernels.py::test_dense_impl_uses_the_fused_kernel": "Pallas interpret mode",
     "test_window.py::test_window_in_the_fused_kernels": "Pallas interpret mode",
+    "test_sinks.py::test_sinks_in_every_kernel_layout_and_strategy[pallas_gpu]":
+        "Pallas interpret mode",
+    "test_sinks.py::test_sinks_in_every_kernel_layout_and_strategy[pallas_tpu]":
+        "Pallas interpret mode",
     # trained models and whole train steps
     "test_eval_passkey.py::test_cli_user_errors_are_one_line": "on the suite's trained run",
     "test_eval_passkey.py::test_layout_path_matches_one_device_dense": "compiles the scorer twice",
