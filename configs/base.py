@@ -36,6 +36,10 @@ def get_config() -> ml_collections.ConfigDict:
     # p - W < k_pos <= p; 0 = full causal attention. In the contiguous layout the ring stops
     # after the rounds the window reaches (docs/layouts.md: which layout wins with a window).
     m.sliding_window = 0
+    # Attention sinks (gpt-oss): a learned logit per query head that joins every row's softmax
+    # denominator and adds nothing to the output, in every kernel, layout and strategy and in
+    # the KV cache (docs/layouts.md: attention sinks).
+    m.attention_sinks = False
     # Attention chosen per layer (model/pattern.py): a comma-separated list, one kind per layer,
     # each full | sliding | full_nope | sliding_nope (sliding: model.sliding_window; _nope: no
     # RoPE, as SmolLM3's every 4th layer). "" = every layer alike (sliding if sliding_window

@@ -89,9 +89,11 @@ def pick(logits_BV, key, sampling: Sampling, usable_vocab: int):
     return jax.vmap(jax.random.categorical)(keys, logits_BV).astype(jnp.int32)
 
 
-def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BKCD, v_BKCD, pos_BC, pos_B, *, window):
+def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BKCD, v_BKCD, pos_BC, pos_B, sinks_H=None, *,
+                  window):
     """Per device: one query per row against this device's cached slots of one layer, merged
-    across ``sequence`` by logsumexp, then with the token's own key (which sees itself)."""
+    across ``sequence`` by logsumexp, then with the token's own key (which sees itself) and
+    the attention sinks' ``exp(sink)`` in the denominator (this tensor shard's heads)."""
     b, _, hq, d = q_B1HD.shape
     hkv = k_B1KD.shape[2]
     f32 = jnp.float32
@@ -111,7 +113,10 @@ def _attend_local(q_B1HD, k_B1KD, v_B1KD, k_BKCD, v_BKCD, pos_BC, pos_B, *, wind
     m_all = jnp.maximum(big_m, s_self)
     a, c = jnp.exp(big_m - m_all), jnp.exp(s_self - m_all)
     o_BKGD = o_BKGD * a[..., None] + v_B1KD[:, 0].astype(f32)[:, :, None, :] * c[..., None]
-    o_BKGD = o_BKGD / (l_BKG * a + c)[..., None]
+    denom_BKG = l_BKG * a + c
+    if sinks_H is not None:
+        denom_BKG = denom_BKG + jnp.exp(sinks_H.astype(f32).reshape(1, hkv, -1) - m_all)
+    o_BKGD = o_BKGD / denom_BKG[..., None]
     return o_BKGD.reshape(b, 1, hq, d).astype(q_B1HD.dtype)
 
 
@@ -193,10 +198,10 @@ class Generator:
         graphdef, mesh, vocab, S = self.sharded.graphdef, self.mesh, self.usable_vocab, self.shards
         platform = self.platform
 
-        def attend_for(window):  # a layer's cache read under its own window
+        def attend_for(window, sinks):  # a layer's cache read under its own window
             return jax.shard_map(functools.partial(_attend_local, window=window), mesh=mesh,
                                  in_specs=(TOKEN, TOKEN, TOKEN, LAYER, LAYER, ROWS,
-                                           P(BATCH_AXES)),
+                                           P(BATCH_AXES)) + ((P("tensor"),) if sinks else ()),
                                  out_specs=TOKEN)
         write = jax.shard_map(_write_local, mesh=mesh, in_specs=(CACHE, CACHE_TOKEN, P(), P()),
                               out_specs=CACHE)
@@ -220,10 +225,11 @@ class Generator:
                 # one token per row: whole on every sequence device (the weights' embed axis
                 # is split over fsdp x sequence, which would otherwise split D here)
                 x_B1D = jax.lax.with_sharding_constraint(x_B1D, token_rows)
-                attend = attend_for(kind.window)
-                return block.attend(
-                    x_B1D, pos_B1, None, kind=kind,
-                    attention=lambda q, k, v: attend(q, k, v, kc_BKCD, vc_BKCD, cache.pos, pos_B))
+                def attention(q, k, v, sinks_H):
+                    attend = attend_for(kind.window, sinks_H is not None)
+                    return attend(q, k, v, kc_BKCD, vc_BKCD, cache.pos, pos_B,
+                                  *(() if sinks_H is None else (sinks_H,)))
+                return block.attend(x_B1D, pos_B1, None, kind=kind, attention=attention)
 
             # the model's own walk over its layers (one scan, each step switching to its
             # layer's kind), each layer's weights and cache read in place

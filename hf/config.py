@@ -691,6 +691,10 @@ def architecture(m) -> str:
     on = lambda f: bool(m.get(f, False))  # noqa: E731
     local = float(m.get("local_rope_theta", 0.0) or 0.0)
     scalar = float(m.get("query_pre_attn_scalar", 0.0) or 0.0)
+    if on("attention_sinks"):  # not dropped silently: the export would lose them
+        raise ConversionError(
+            "model.attention_sinks: exporting attention sinks is not supported yet (gpt-oss's "
+            "GptOssForCausalLM, the architecture with them, is not mapped)")
     gemma = [f for f in GEMMA_BLOCK[1:] if on(f)]
     if float(m.get("final_logit_softcap", 0.0) or 0.0):
         gemma.append("final_logit_softcap")

@@ -77,8 +77,9 @@ class AttentionBackend:
         shards = self.mesh.shape["sequence"] if self.mesh is not None else 1
         return jnp.asarray(permutation(self.layout, seq_len, shards, self.stripe))
 
-    def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, window=0):
-        """``window``: the model's sliding window W (0: full causal attention)."""
+    def __call__(self, q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, window=0, sinks_H=None):
+        """``window``: the model's sliding window W (0: full causal attention); ``sinks_H``:
+        attention sinks, a logit per query head (None: none)."""
         if not self.document_mask:
             segment_ids_BL = None
         if self.impl != "dense" or self._fused_dense():
@@ -88,12 +89,12 @@ class AttentionBackend:
                 layout=self.layout, positions=None, segment_ids=segment_ids_BL,
                 stripe=self.stripe, block_q=self.block_q, block_kv=self.block_kv,
                 kernel=self.kernel, impl="ring" if self.impl == "dense" else self.impl,
-                ulysses=self.ulysses, window=window)
+                ulysses=self.ulysses, window=window, sinks=sinks_H)
         from parallel.kernels.xla import dense_attention
         B, L = q_BLHD.shape[:2]
         index_BL = jnp.broadcast_to(self.natural_index(L), (B, L))
         return dense_attention(q_BLHD, k_BLKD, v_BLKD, positions=index_BL,
-                               segment_ids=segment_ids_BL, window=window)
+                               segment_ids=segment_ids_BL, window=window, sinks=sinks_H)
 
 
     def _fused_dense(self) -> bool:
@@ -133,6 +134,9 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = norm_from_config(m, q_dim), norm_from_config(m, k_dim)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: a logit per query head in every row's softmax (parallel/attention.py sinks)
+        self.sinks = (_param(rngs, (m.num_heads,), ("heads",), std)
+                      if m.get("attention_sinks", False) else None)
         # Gemma's softmax scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5: the
         # kernels keep theirs and the queries carry the ratio.
         scalar = float(m.get("query_pre_attn_scalar", 0.0) or 0.0)
@@ -150,13 +154,15 @@ class Attention(nnx.Module):
 
     def attend(self, x_BLD, positions_BL, segment_ids_BL, attention=None, *, kind: LayerKind):
         """(output [B, L, D], (k_BLKD, v_BLKD)): the keys and values a KV cache keeps.
-        ``attention(q, k, v)``, when given, replaces the backend (a decode step's cache).
+        ``attention(q, k, v, sinks)``, when given, replaces the backend (a decode step's cache;
+        ``sinks``: the layer's attention sinks ``[Hq]`` or None).
         ``kind``: this layer's window and RoPE (``model.pattern.kinds``)."""
         q_BLHD, k_BLKD, v_BLKD = self.qkv(x_BLD, positions_BL, kind.rope)
+        sinks_H = None if self.sinks is None else self.sinks[...]
         if attention is None:
-            o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, kind.window)
+            o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, kind.window, sinks_H)
         else:
-            o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD)
+            o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD, sinks_H)
         out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype),
                              self.wo[...].astype(self.dtype))
         return out_BLD, (k_BLKD, v_BLKD)

@@ -94,3 +94,79 @@ def test_sinks_of_the_wrong_shape_are_one_line(rng):
     mesh = jax.make_mesh((2,), ("sequence",), devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"one logit per query head, \[4\]; got \(2,\)"):
         context_parallel_attention(q, k, v, mesh=mesh, layout="striped", sinks=np.zeros(2))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def test_a_model_with_sinks_gives_the_dense_logits_and_sink_gradients_on_any_mesh(rng):
+    """``model.attention_sinks``: a parameter ``[Hq]`` per layer reaching every attention path.
+    The dense model on one device (XLA's dense attention, natural order) against usp (Ulysses
+    groups of 2, a ring of 2) striped over fsdp 2 x sequence 4 with packed documents: the same
+    logits and the same gradients of the sinks."""
+    from flax import nnx
+
+    from model.layers import AttentionBackend
+    from parallel.mesh import make_mesh
+    from test_model import L, make_model, random_tokens, small_config
+    c = small_config()
+    c.model.attention_sinks = True
+    natural = make_model(rng, AttentionBackend(impl="dense", layout="contiguous"), config=c)
+    assert natural.blocks.attn.sinks[...].shape == (c.model.num_layers, c.model.num_heads)
+    mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+    laid = make_model(rng, AttentionBackend(impl="usp", layout="striped", mesh=mesh, ulysses=2,
+                                            block_q=4, block_kv=4), config=c,
+                      weights_of=natural)
+    tok = random_tokens(rng, 2, L)
+    pos = jnp.broadcast_to(jnp.arange(L), tok.shape)
+    seg = jnp.asarray(np.cumsum(rng.random(tok.shape) < 0.1, axis=1) + 1, jnp.int32)
+    weights = jnp.asarray(rng.standard_normal((*tok.shape, c.model.vocab_size)), jnp.float32)
+    perm = permutation("striped", L, 4)
+
+    def run(model, tok, pos, seg, weights):
+        graphdef, state = nnx.split(model)
+
+        def loss(state):
+            logits = nnx.merge(graphdef, state)(tok, pos, seg)
+            return jnp.sum(logits * weights), logits
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+        return np.asarray(logits), np.asarray(grads["blocks"]["attn"]["sinks"])
+
+    want_logits, want_grad = run(natural, tok, pos, seg, weights)
+    got_logits, got_grad = run(laid, *(x[:, perm] for x in (tok, pos, seg, weights)))
+    np.testing.assert_allclose(got_logits, want_logits[:, perm], rtol=1e-5, atol=1e-5)
+    assert np.abs(want_grad).max() > 0
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-4, atol=1e-5 * np.abs(want_grad).max())
+
+
+def test_decoding_with_sinks_gives_the_recomputed_greedy_tokens(rng):
+    """The KV cache's decode step adds the sinks (each tensor shard its heads') once, after its
+    slots are merged across the sequence devices: greedy tokens equal generating without a
+    cache (one device, dense), the striped ring over sequence 2 x tensor 2."""
+    from evaluation.kv_cache import Generator
+    from evaluation.lengths import Buckets
+    from test_kv_cache import VOCAB, config, on_mesh, random_params, reference
+    c = config("striped", "ring", mesh=dict(data=1, fsdp=1, sequence=2, tensor=2))
+    c.model.attention_sinks = True
+    params = random_params(c, int(rng.integers(1 << 30)))
+    # sinks that take most of many rows' attention (the initialiser's are near 0): without
+    # them in the decode step the greedy tokens differ
+    params["blocks"]["attn"]["sinks"] = np.asarray(
+        rng.normal(4.0, 2.0, params["blocks"]["attn"]["sinks"].shape), np.float32)
+    prompts = [rng.integers(1, VOCAB, int(n)).tolist() for n in rng.integers(5, 40, 2)]
+    want = [reference(c, params, p, 10) for p in prompts]
+    trainer, sharded = on_mesh(c, params)
+    length = Buckets(c, trainer.mesh, c.data.seq_len)(max(map(len, prompts)))
+    assert Generator(trainer, VOCAB).generate(sharded, prompts, 10, length=length,
+                                              eos=-1) == want
+
+
+def test_an_export_refuses_sinks_rather_than_dropping_them():
+    from errors import ConversionError
+    from hf import config as hf_config
+    from test_model import small_config
+    m = small_config().model
+    assert hf_config.architecture(m) == "llama"
+    m.attention_sinks = True
+    with pytest.raises(ConversionError, match="model.attention_sinks: exporting attention sinks"):
+        hf_config.architecture(m)

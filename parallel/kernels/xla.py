@@ -218,11 +218,13 @@ def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta
 # ----------------------------------------------------------------------------- dense reference
 
 
-def dense_attention(q, k, v, *, positions=None, segment_ids=None, causal=True, window=0):
+def dense_attention(q, k, v, *, positions=None, segment_ids=None, causal=True, window=0,
+                    sinks=None):
     """Plain attention in natural order: q ``[B, L, Hq, D]``, k/v ``[B, L, Hkv, D]``.
 
     Mask: same segment and ``k_pos <= q_pos`` (and ``k_pos > q_pos - window`` when > 0). GQA groups query heads per kv head instead of
     repeating K/V. fp32 inside, returns ``q.dtype``. Rows with no visible key return 0.
+    ``sinks [Hq]``: attention sinks, one more term ``exp(sink)`` in every row's denominator.
     """
     b, length, hq, d = q.shape
     hkv = k.shape[2]
@@ -237,9 +239,14 @@ def dense_attention(q, k, v, *, positions=None, segment_ids=None, causal=True, w
     mask = _tile_mask(positions, positions, segment_ids, segment_ids, causal, window)
     s = jnp.where(mask, s, -jnp.inf)
     m = s.max(-1, keepdims=True)
+    if sinks is not None:  # [Hq] -> [1, K, 1, G, 1], query head h = (h // G, h % G)
+        sink = jnp.asarray(sinks, jnp.float32).reshape(1, hkv, 1, hq // hkv, 1)
+        m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), lax.stop_gradient(m), 0.0)
     p = jnp.exp(s - m)  # exactly 0 where masked, also for its gradient
     denom = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - m)
     p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bkqgm,bkmd->bkqgd", p, v_BKLD)
     return ac.from_q_major(out).astype(q.dtype)
