@@ -3,12 +3,12 @@
 Qwen3MoeForCausalLM (q/k norms, its own head_dim; norm_topk_prob both ways) and OlmoeForCausalLM
 (q/k norms over the whole projection: model.qk_norm_scope=projection). Small random fp32
 models with every weight random, router included: imported, they give transformers' logits,
-greedy tokens, and the first step's loss (LM + router_aux_loss_coef x the load-balancing loss)
-of a batch with padding; exported, they load in transformers to the original's logits, their
-tensors the checkpoint's bit for bit. transformers 5's fused experts (gate_up_proj) import as the
-released per-expert names do. Qwen3-MoE with dense layers (decoder_sparse_step and
-mlp_only_layers) imports and exports the same way. OLMoE's clip_qkv and a combination no
-architecture has are one line each."""
+greedy tokens (Qwen3-MoE's: with its dense layers, below), and the first step's loss (LM +
+router_aux_loss_coef x the load-balancing loss) of a batch with padding; exported, they load in
+transformers to the original's logits, their tensors the checkpoint's bit for bit.
+transformers 5's fused experts (gate_up_proj) import as the released per-expert names do.
+Qwen3-MoE with dense layers (decoder_sparse_step and mlp_only_layers) imports and exports the
+same way. OLMoE's clip_qkv and a combination no architecture has are one line each."""
 import json
 
 import jax
@@ -138,6 +138,11 @@ def test_import_sets_the_experts_and_gives_transformers_logits(family, rng):
     assert relative(got, want) < 1e-4, (relative(got, want), seed)
 
 
+# Qwen3-MoE decodes in test_qwen3_moe_dense_layers_import_and_export_as_transformers_builds_them
+# (its greedy tokens: head-wise q/k norms, head_dim 24, a tied head, the top k renormalised, as
+# the qwen3_moe case has them, 2 of its 6 layers experts); the top k not renormalised and an
+# untied head decode here in olmoe: the qwen3_moe cases would compile and check no other path
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"], indirect=True)
 def test_greedy_generation_gives_transformers_tokens(family, rng, capsys):
     _, model, run, seed = family
     assert_greedy_tokens_match(rng, run, model, capsys)
@@ -177,6 +182,11 @@ def first_step(run, model, rng):
     return out, loss, counts, sums, tokens, real
 
 
+# (qwen3_moe's config takes its first step in
+# test_qwen3_moe_dense_layers_import_and_export_as_transformers_builds_them, with 4 dense layers
+# among its 6: the loss and aux loss against transformers' on this batch; the count of tokens and
+# the padding's share in the aux loss are the same code in the other cases)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe_unnormalized", "olmoe"], indirect=True)
 def test_the_first_step_loss_with_padding_is_transformers_loss_with_router_logits(family, rng):
     """The first step on a batch with padding (``first_step``): the loss is transformers' with
     output_router_logits=True (the mean cross-entropy + router_aux_loss_coef x
@@ -187,11 +197,12 @@ def test_the_first_step_loss_with_padding_is_transformers_loss_with_router_logit
     assert int(counts["tokens"]) == int((np.where(real == 1, tokens, -100)[:, 1:] >= 0).sum())
     aux, want_aux = float(sums["aux_loss"]), float(out.aux_loss)
     assert abs(aux - want_aux) < 1e-5 * want_aux, (aux, want_aux, seed)
-    # (the padding matters: counted, it moves the load-balancing loss 10x the tolerance above;
-    # at least 1.8e-3 relative in 120 seeds)
+    # (the padding matters: counted, it moves the load-balancing loss 10x further from
+    # transformers' than ours is; how far depends on how far the random router is from uniform,
+    # as little as 5.6e-5 relative in one seed, far above fp32 noise)
     E, k = run.config.model.moe.num_experts, run.config.model.moe.top_k
     unmasked = float(load_balancing_loss_func(out.router_logits, E, k, None))
-    assert abs(unmasked - want_aux) > 1e-4 * want_aux, (unmasked, want_aux, seed)
+    assert abs(unmasked - want_aux) > 10 * abs(aux - want_aux), (unmasked, aux, want_aux, seed)
     assert abs(float(loss) - float(out.loss)) < 1e-5 * float(out.loss), (float(loss),
                                                                           float(out.loss), seed)
 

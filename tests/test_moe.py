@@ -69,7 +69,7 @@ def test_router_dispatch_and_experts_are_the_dense_float64_reference(rng, kind, 
 
 
 def test_a_capacity_drops_the_later_picks_and_counts_them(rng):
-    T, D, E, F, K = 200, 8, 4, 8, 2
+    T, D, E, F, K = 300, 16, 8, 12, 3  # the test above's: its compiled ops serve again (1.7 s)
     x = rng.normal(0, 1, (T, D))
     router, w_gate, w_up, w_down = weights_of(rng, D, E, F)
     router[:, 0] += 0.8  # a favourite expert, which overflows
@@ -283,7 +283,10 @@ def one_device():
     from training.state import Trainer
     c = moe_config()
     trainer = Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))
-    params = jax.device_get(trainer.init(0).params)
+    # trainer.init's program compiled as the tests compile the rest (tests/conftest.py: LLVM
+    # level 0; training/state.py's level 1 keeps each weight's last bit as XLA's default gives
+    # it, which nothing here compares): 1-2 CPU s less
+    params = jax.device_get(jax.jit(trainer._init)(0).params)
     natural = batch_of(np.random.default_rng(7))
     return c, params, natural, step_of(c, params, natural, jax.devices()[:1])
 
@@ -320,19 +323,17 @@ def test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens(one_devic
     (its statistics alone), weighted by its share of the step's real tokens; the language
     model's loss is the whole step's either way."""
     from model.decoder import Decoder  # noqa: F401 (the model the trainer builds)
-    from parallel.mesh import make_mesh
-    from training.state import Trainer
-    c, params, natural, (want_loss, want_metrics, _, _) = one_device
+    c, params, natural, (want_loss, want_metrics, _, one) = one_device  # one: c's Trainer
     cm = moe_config(microbatches=2)
     loss, metrics, _, trainer = step_of(cm, params, natural, jax.devices()[:1])
-    one = Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))
     lm = want_loss - c.model.moe.aux_loss * want_metrics["aux_loss"] - \
         c.model.moe.z_loss * want_metrics["z_loss"]
     expected_aux = expected_z = 0.0
     real = (natural["segment_ids"] > 0).sum()
+    forward = jax.jit(one.forward)
     for i in range(2):  # row j * 2 + i goes to microbatch i (training/state.py)
         micro = {k: v[i::2] for k, v in natural.items()}
-        _, stats = jax.jit(one.forward)(params, micro)
+        _, stats = forward(params, micro)
         got = moe.aux_losses(jax.device_get(stats), 8, 2)
         share = (micro["segment_ids"] > 0).sum() / real
         expected_aux += share * float(got["aux_loss"])
@@ -416,15 +417,13 @@ def sequence_config(mesh=None, impl="dense", layout="contiguous", microbatches=1
 def sequence_one_device(one_device):
     """The step with model.moe.balance=sequence on one device, on the batch with its second
     row all padding; the language model's loss and the router statistics of the batch."""
-    from parallel.mesh import make_mesh
-    from training.state import Trainer
     _, params, natural, _ = one_device
     natural = {k: v.copy() for k, v in natural.items()}
     natural["segment_ids"][1] = 0
     natural["loss_mask"][1] = 0
     c = sequence_config()
     step = step_of(c, params, natural, jax.devices()[:1])
-    one = Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))
+    one = step[3]  # the step's Trainer, on one device
     token_losses, stats = jax.device_get(jax.jit(one.forward)(params, natural))
     return c, params, natural, step, token_losses, stats
 
