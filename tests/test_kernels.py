@@ -23,7 +23,7 @@ from parallel.attention import context_parallel_attention
 from parallel.kernels import accumulators as ac
 from parallel.kernels import fused, predicate, tables, tiling, xla
 from parallel.kernels.spec import RoundSpec, Tile
-from parallel.layouts import permutation
+from parallel.layouts import LAYOUTS as LAYOUT_NAMES, permutation
 from helpers import (B, D, L, check, inputs, missing_pairs, reference, rel_err, random_segments,
                      ring_mesh, ring_outputs, run_all_layouts)
 
@@ -31,7 +31,8 @@ PALLAS = ("pallas_gpu", "pallas_tpu")
 LAYOUTS = [("contiguous", 1), ("striped", 1), ("striped", 2), ("zigzag", 1)]
 HEADS = {"mha": (4, 4), "gqa4": (4, 1), "gqa3": (6, 2)}
 # Kernel x ring size x heads x mask x dtype. Every layout runs in every case (the layouts share
-# the case's compiled program: positions are data). By default the six cases below hold every
+# the case's compiled program: positions are data; a ring of one, where every layout is the
+# identity, runs one: layouts_for). By default the six cases below hold every
 # pair of values of any two factors (each kernel at ring sizes 1, 2 and 4, so every pair with
 # the kernel too; asserted below, with gqa3 and gqa4 both GQA): a case compiles a forward and a
 # backward program in interpret mode (~7 s), and the product would be 48. One GQA case runs
@@ -59,6 +60,13 @@ def tiles(kernel):
     real = not kernels.interpret(kernel, jax.devices()[0].platform)
     return (16, 16) if real else (4, 8)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+# A ring of one holds the whole row in every layout (each permutation is the identity): every
+# layout would run the same inputs through the same program, so a ring of one runs one layout.
+assert all(np.array_equal(permutation(lay, L, 1, s), np.arange(L)) for lay, s in LAYOUTS)
+
+
+def layouts_for(n, layouts=LAYOUTS):
+    return layouts if n > 1 else layouts[:1]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -66,7 +74,7 @@ def test_fused_ring_matches_reference(rng, case):
     kernel, n, heads, mask, dtype = case
     bq, bk = tiles(kernel)
     run_all_layouts(rng, n, HEADS[heads], mask, dtype=jnp.dtype(dtype), tol=TOL[dtype],
-                    layouts=LAYOUTS, block_q=bq, block_kv=bk, kernel=kernel)
+                    layouts=layouts_for(n), block_q=bq, block_kv=bk, kernel=kernel)
 
 
 # Per kernel, a packed fp32 case of CASES whose compiled program the test below reuses.
@@ -132,12 +140,13 @@ else:
 @pytest.mark.parametrize("case", NON_CAUSAL, ids=lambda c: "-".join(c))
 def test_non_causal_matches_reference(rng, case):
     """causal=False: every key of the row visible (of the query's document with segment ids),
-    so no tile is skipped for lying in the future; outputs and dQ/dK/dV in every layout against
-    the float64 reference."""
+    so no tile is skipped for lying in the future; outputs and dQ/dK/dV in every layout (a ring
+    of one: in one, layouts_for) against the float64 reference."""
     impl, kernel, mask = case
     n, heads, kw = STRATEGIES[impl]
     bq, bk = tiles(kernel) if kernel != "xla" else (4, 8)
     run_all_layouts(rng, n, heads, mask, "ring" if impl == "dense" else impl, causal=False,
+                    layouts=layouts_for(n, [(layout, 1) for layout in LAYOUT_NAMES]),
                     block_q=bq, block_kv=bk, kernel=kernel, **kw)
 
 
@@ -548,7 +557,7 @@ def test_train_with_the_pallas_kernel_matches_xla(tmp_path):
     from test_train_e2e import losses
     from training.state import Trainer
     workdir = tmp_path / "pallas_gpu"
-    sets = ["train.steps=2", "train.log_every=1", "train.eval_batches=0", "data.max_docs=120",
+    sets = ["train.steps=2", "train.log_every=1", "train.eval_batches=0", "data.max_docs=24",
             "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}",
             "attention.kernel=pallas_gpu", "data.seq_len=128", "data.batch_size=2",
             "checkpoint.every=0"]

@@ -10,6 +10,7 @@ and its loss and gradients in every layout, strategy and kernel against those of
 """
 import functools
 import math
+import os
 import re
 
 import jax
@@ -171,25 +172,34 @@ def assert_same(got_logits, got_grads, want_logits, want_grads):
         assert np.abs(g - w).max() <= 2e-5 * np.abs(w).max() + 1e-7, jax.tree_util.keystr(path)
 
 
-def ring_config():
-    """4 layers (sliding, full) x 2, local and global alternating (the 5-layer stack, whose
-    depth is not a whole number of periods, is the float64 test's and the scan tests')."""
-    return family_config(num_layers=4, layer_types=pattern.repeat("sliding,full", 4))
+ROWS = 4  # one_device's batch: split over fsdp = 8 / sequence (2 or 4) devices
 
 
 @functools.cache
-def one_device(rows):
-    """One device's model, batch, loss and gradients, once per process and batch size."""
-    rng = np.random.default_rng(1000 + rows)
-    model = random_model(rng, ring_config())
-    tok, pos, seg = batch(rng, rows)
-    cot = jnp.asarray(rng.standard_normal((rows, L, VOCAB)), jnp.float32)
-    return (model, (tok, pos, seg, cot), *_logits_and_grads(model, tok, pos, seg, cot))
+def one_device():
+    """The 5-layer stack on one device: its model, a batch of ROWS rows (and the logits'
+    cotangent), its logits and gradients; once per process, the reference of every layout,
+    strategy and kernel below and of remat. Fresh random data on every run: the seed is
+    returned first, for each test that reads these to print (``STRIPEDJAX_SEED`` replays it,
+    as the rng fixture's)."""
+    seed = int(os.environ.get("STRIPEDJAX_SEED") or np.random.SeedSequence().entropy)
+    rng = np.random.default_rng(seed)
+    model = random_model(rng, family_config())
+    tok, pos, seg = batch(rng, ROWS)
+    cot = jnp.asarray(rng.standard_normal((ROWS, L, VOCAB)), jnp.float32)
+    return (seed, model, (tok, pos, seg, cot), *_logits_and_grads(model, tok, pos, seg, cot))
+
+
+def _one_device():
+    """one_device(), its seed printed (shown by pytest when the test fails)."""
+    seed, *rest = one_device()
+    print(f"one_device numpy seed {seed}")
+    return rest
 
 
 def _compare_with_one_device(backend, sequence, layout):
-    one, inputs, want_logits, want_grads = one_device(8 // sequence)
-    laid = random_model(None, ring_config(), backend, weights_of=one)
+    one, inputs, want_logits, want_grads = _one_device()
+    laid = random_model(None, family_config(), backend, weights_of=one)
     perm = permutation(layout, L, sequence, backend.stripe)
     got_logits, got_grads = _logits_and_grads(laid, *(a[:, perm] for a in inputs))
     assert_same(got_logits, got_grads, want_logits[:, perm], want_grads)
@@ -399,28 +409,30 @@ def test_repeat_runs_and_describe():
     assert pattern.period(pattern.kinds(c.model)) == 6
 
 
-def test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact(rng):
+def test_remat_and_the_chunked_mlp_keep_the_mixed_stack_exact():
     """remat=full (each layer checkpointed with its own kind) and the MLP over chunks of 8
     tokens (GeGLU inside, the sandwich norm after the chunks) give the plain stack's logits and
-    gradients."""
-    c = family_config()
-    plain = random_model(rng, c)
-    tok, pos, seg = batch(rng, 2)
-    cot = jnp.asarray(rng.standard_normal((2, L, VOCAB)), jnp.float32)
-    want_logits, want_grads = _logits_and_grads(plain, tok, pos, seg, cot)
-    other = random_model(rng, family_config(remat="full", mlp_chunk=8), weights_of=plain)
-    got_logits, got_grads = _logits_and_grads(other, tok, pos, seg, cot)
+    gradients (one_device's: the plain 5-layer stack, its weights and batch)."""
+    plain, inputs, want_logits, want_grads = _one_device()
+    other = random_model(None, family_config(remat="full", mlp_chunk=8), weights_of=plain)
+    got_logits, got_grads = _logits_and_grads(other, *inputs)
     assert_same(got_logits, got_grads, want_logits, want_grads)
 
 
 def _stack_config(layer_types, remat):
     """7 layers (2 periods of 3 and a remainder of 1 for the pattern below) whose weights
-    outweigh a layer's activations, on fsdp x sequence = 2 x 2."""
+    outweigh a layer's activations, on fsdp x sequence = 2 x 2. Attention is XLA's dense
+    attention (each branch's own window): the weights' slices, joins and copies checked below
+    are the layer scan's, its switch's and the optimizer's, whatever attends inside a layer (an
+    unrolled stack, model.scan_layers=False, shows the same 49 joins and 2.4x the temporary
+    memory with the ring as with dense), and the ring's forward and backward would more than
+    double each compile (the ring in a mixed stack:
+    test_mixed_stack_in_every_layout_strategy_and_kernel)."""
     c = tiny.get_config()
     c.model.update(vocab_size=VOCAB, d_model=64, num_layers=7, num_heads=4, num_kv_heads=2,
                    ffn_dim=512, dtype="float32", remat=remat, layer_types=layer_types,
                    sliding_window=W if layer_types else 0)
-    c.attention.update(block_q=8, block_kv=8)
+    c.attention.update(impl="dense")
     c.mesh.update(data=1, fsdp=2, sequence=2, tensor=1)
     c.data.update(seq_len=48, batch_size=2)
     return c
