@@ -115,6 +115,14 @@ SLOW = {
         "an MoE's train step on one device and on three meshes of 8",
     "test_moe.py::test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens":
         "an MoE's train step in 2 microbatches",
+    "test_moe.py::test_the_per_sequence_loss_is_the_steps_and_exact_over_8_devices_and_microbatches":
+        "an MoE's train step on 8 devices and in microbatches (the float64 check: quick tier)",
+    "test_preference.py::test_dpo_on_a_mixture_of_experts_starts_at_ln2_plus_the_policys_aux_terms_and_steps":
+        "an MoE's DPO step compiled (8 CPU s)",
+    "test_sft.py::test_sft_on_a_mixture_of_experts_adds_its_aux_terms_to_the_first_steps_loss":
+        "an MoE's SFT loss compiled (5 CPU s)",
+    "test_hf_moe.py::test_qwen3_moe_dense_layers_import_and_export_as_transformers_builds_them":
+        "an MoE with dense layers: a step and generation compiled (7 CPU s)",
     "test_plan.py::test_a_moe_plan_holds_every_expert_and_counts_the_active_flops":
         "an MoE's step compiled for 8 devices",
     "test_plan.py::test_chunked_loss_and_microbatches_lower_the_compiled_memory": "4 train steps compiled",
