@@ -15,9 +15,11 @@ from training.state import Trainer
 def config(impl, layout, mesh, chunks=(0, 0)):
     """``chunks``: (train.loss_chunk, model.mlp_chunk)."""
     c = tiny.get_config()
-    # With Qwen2's q/k/v biases: their gradients too, split over tensor with their heads.
+    # With Qwen2's q/k/v biases and gpt-oss's attention sinks: their gradients too, split over
+    # tensor with their heads.
     c.model.update(vocab_size=101, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   ffn_dim=96, dtype="float32", remat="full", qkv_bias=True)
+                   ffn_dim=96, dtype="float32", remat="full", qkv_bias=True,
+                   attention_sinks=True)
     c.attention.update(impl=impl, layout=layout, block_q=16, block_kv=16)
     c.mesh.update(mesh)
     c.data.update(seq_len=64, batch_size=4)
@@ -92,6 +94,7 @@ def test_sharded_step_equals_single_device_step(impl, layout, mesh, chunks):
     loss, grads = run_step(impl, layout, mesh, jax.devices(), batch, params, chunks)
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     assert np.abs(grads["blocks"]["attn"]["bk"]).max() > 0
+    assert np.abs(grads["blocks"]["attn"]["sinks"]).max() > 0
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
