@@ -46,7 +46,7 @@ CASES = {
 }
 
 
-def run(q, k, v, sinks, dout, *, mesh, layout, seg, **kw):
+def run(q, k, v, sinks, dout, *, mesh, layout, seg, dtype, **kw):
     """The attention and its gradients w.r.t. q, k, v and the sinks, inputs and results in
     natural order."""
     n = mesh.shape["sequence"]
@@ -59,7 +59,6 @@ def run(q, k, v, sinks, dout, *, mesh, layout, seg, **kw):
         return context_parallel_attention(q, k, v, mesh=mesh, layout=layout, segment_ids=seg_l,
                                           sinks=sinks, **kw)
 
-    dtype = kw.pop("dtype")
     out, vjp = jax.vjp(f, *(put(x, dtype) for x in (q, k, v)), jnp.asarray(sinks))
     grads = vjp(put(dout, dtype))
     inv = inverse(perm)

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel import kernels, strategies
-from parallel.kernels import accumulators as ac
 from parallel.strategies.rounds import Rounds
 
 
@@ -87,9 +86,8 @@ def backward_local(call):
         delta = jnp.sum(dout_BCHD.astype(jnp.float32) * out_BCHD.astype(jnp.float32), axis=-1)
         q, pos, seg, kv = strategy.meet(q_BCHD, k_BCKD, v_BCKD, pos_BC, seg_BC)
         out = strategy.to_heads(out_BCHD) if needs_out else None
-        delta_heads = strategy.to_heads(delta)
         r = Rounds(call, q, pos, seg, kv.k.shape[1], q_BCHD.shape[1], lse_BKSG,
-                   strategy.to_heads(dout_BCHD), delta_heads, out)
+                   strategy.to_heads(dout_BCHD), strategy.to_heads(delta), out)
         dq, dk, dv = ring_backward(strategy, kv, r.zeros_dq(), r.grads)
         grads = (strategy.to_seq(r.finish_dq(dq)), strategy.home(dk, k_BCKD.dtype),
                  strategy.home(dv, v_BCKD.dtype))
@@ -97,8 +95,7 @@ def backward_local(call):
             return grads
         # The sinks' gradient per query row, back where the queries live: [B, C, Hq] (summed
         # over rows outside, where the batch and sequence shards meet).
-        d_BKSG = ac.sink_grad(lse_BKSG, r.rows[2], r.sink_rows(strategy.heads(sink_H)))
-        return grads + (strategy.to_seq(ac.from_q_major(d_BKSG[..., None])[..., 0]),)
+        return grads + (strategy.to_seq(r.sink_grads(strategy.heads(sink_H))),)
     return local
 
 

@@ -117,6 +117,13 @@ class Rounds:
             out, lse = ac.with_sink(out, lse, self.sink_rows(sink_H))
         return ac.from_q_major(out).astype(self.q.dtype), lse
 
+    def sink_grads(self, sink_H):
+        """Backward: the sinks' gradient per query row ``[B, S, Hq]`` (``ac.sink_grad`` of the
+        forward's logsumexp and the row sums this backward was given)."""
+        _, lse_BKSG, delta_BKSG = self.rows[:3]
+        d_BKSG = ac.sink_grad(lse_BKSG, delta_BKSG, self.sink_rows(sink_H))
+        return ac.from_q_major(d_BKSG[..., None])[..., 0]
+
     def sink_rows(self, sink_H):
         """``[H] -> [1, K, 1, G]``: query head ``h`` is ``(h // G, h % G)``."""
         return sink_H.astype(jnp.float32).reshape(1, self.hkv, 1, -1)
