@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
     s.attention_factor = 0.0  # yarn: cos/sin scale; 0 means 0.1 * ln(factor) + 1
     s.truncate = True  # yarn: round the ramp's ends to whole dimensions
     m.qkv_bias = False  # biases on the q, k and v projections, none on o (Qwen2 / Qwen2.5)
+    m.o_bias = False  # a bias on the attention's output projection (gpt-oss: with qkv_bias)
     # Sliding-window attention (Mistral's convention): a query at position p sees keys with
     # p - W < k_pos <= p; 0 = full causal attention. In the contiguous layout the ring stops
     # after the rounds the window reaches (docs/layouts.md: which layout wins with a window).
@@ -82,6 +83,13 @@ def get_config() -> ml_collections.ConfigDict:
     e.renormalize = True  # softmax_topk: the k weights rescaled to sum 1 (Mixtral, Qwen3's
     # norm_topk_prob); False: the softmax's own (OLMoE)
     e.router_bias = False  # a bias on the router's logits
+    e.expert_bias = False  # biases on each expert's gate, up and down projections (gpt-oss)
+    # The experts' gated unit: gated (act(gate) * up, act = model.mlp_activation: SwiGLU) |
+    # clamped (gpt-oss: gate clamped above at glu_limit, up to [-glu_limit, glu_limit], then
+    # (up + 1) * gate * sigmoid(glu_alpha * gate))
+    e.glu = "gated"
+    e.glu_limit = 7.0
+    e.glu_alpha = 1.702
     # The load-balancing loss's weight (transformers' router_aux_loss_coef: its
     # load_balancing_loss_func over the step's real tokens, pooled over layers), and the router
     # z-loss's (the mean squared log-sum-exp of the logits); added to the loss, logged per step.

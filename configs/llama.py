@@ -1,5 +1,6 @@
 """Shared shape of the LLaMA-style configs (llama_1b/3b/7b, llama3_1b/3b/8b, and the decoders
-that differ from Llama in a few fields: qwen3_*, gemma3_*, smollm3_3b): real runs on GPUs/TPUs."""
+that differ from Llama in a few fields: qwen3_*, gemma3_*, smollm3_3b, the mixtures of experts,
+gpt_oss_*): real runs on GPUs/TPUs."""
 from configs import base
 from model.pattern import repeat  # imports no jax: configs load before the device count is set
 
@@ -90,4 +91,20 @@ def moe_config(c, *, experts: int, top_k: int, expert_dim: int = 0, renormalize:
     c.model.moe.update(num_experts=experts, top_k=top_k, expert_dim=expert_dim,
                        router="softmax_topk", renormalize=renormalize, router_bias=False,
                        aux_loss=aux_loss, z_loss=z_loss, capacity=0.0, grouped="auto")
+    return c
+
+
+def gpt_oss_layers(c, *, experts: int, top_k: int, expert_dim: int, window: int,
+                   aux_loss: float):
+    """``c`` with gpt-oss's blocks: attention sinks, biases on q, k, v and o, a ``window``-token
+    sliding window on the even layers (from 0) and full attention on the odd ones, and every MLP
+    a mixture of ``experts`` experts, ``top_k`` a token, scored top-k then softmax over the k
+    with a router bias, each expert with biases and gpt-oss's clamped unit (limit 7, alpha
+    1.702); ``aux_loss`` (router_aux_loss_coef) on transformers' load-balancing loss."""
+    c = moe_config(c, experts=experts, top_k=top_k, expert_dim=expert_dim, renormalize=False,
+                   aux_loss=aux_loss)
+    c.model.update(attention_sinks=True, qkv_bias=True, o_bias=True, sliding_window=window,
+                   layer_types=repeat("sliding,full", c.model.num_layers))
+    c.model.moe.update(router="topk_softmax", router_bias=True, expert_bias=True, glu="clamped",
+                       glu_limit=7.0, glu_alpha=1.702)
     return c

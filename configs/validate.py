@@ -210,7 +210,7 @@ def _check_dpo(p):
 def _check_moe(m):
     """A mixture of experts' fields (``model.moe``; model/moe.py). num_experts 0 is the dense
     MLP: the other fields are then not read, and not checked."""
-    from model.moe import BALANCES, DISPATCHES, GROUPED, ROUTERS
+    from model.moe import BALANCES, DISPATCHES, GLUS, GROUPED, ROUTERS
     e = m.get("moe", None)
     if e is None:  # a config from before the field: dense
         return
@@ -228,6 +228,11 @@ def _check_moe(m):
     _need(e.router in ROUTERS, f"model.moe.router={e.router!r} is not one of {', '.join(ROUTERS)}")
     _need(e.grouped in GROUPED,
           f"model.moe.grouped={e.grouped!r} is not one of {', '.join(GROUPED)}")
+    glu = e.get("glu", "gated")
+    _need(glu in GLUS, f"model.moe.glu={glu!r} is not one of {', '.join(GLUS)} (act(gate) * up, "
+          f"or gpt-oss's clamped unit)")
+    if glu == "clamped":
+        _need(e.glu_limit > 0, f"model.moe.glu_limit={e.glu_limit} must be > 0 (gpt-oss: 7)")
     _need(e.capacity >= 0,
           f"model.moe.capacity={e.capacity} must be >= 0 (picks an expert takes as a multiple "
           f"of its even share; 0: dropless)")

@@ -112,15 +112,21 @@ def _mlps_matmul(m, active: bool) -> int:
     return n * _mlp_matmul(m, active) + (m.num_layers - n) * _dense_mlp(m)
 
 
-def _router_bias(m) -> int:
+def _moe_biases(m) -> int:
+    """Bias entries per mixture-of-experts layer: the router's [E] and gpt-oss's experts'
+    (gate and up [E, F], down [E, D])."""
     e = _moe(m)
-    return int(e.num_experts) if e is not None and e.get("router_bias", False) else 0
+    if e is None:
+        return 0
+    n = int(e.num_experts)
+    return (n if e.get("router_bias", False) else 0) + (
+        n * (2 * expert_dim(m) + m.d_model) if e.get("expert_bias", False) else 0)
 
 
 def param_count(m) -> int:
     """Exact parameter count of model.Decoder for model config ``m`` (every expert counted)."""
     attn = _attention_matmul(m) + _qkv_biases(m)
-    mlp = _mlps_matmul(m, active=False) + len(moe_layers(m)) * _router_bias(m)
+    mlp = _mlps_matmul(m, active=False) + len(moe_layers(m)) * _moe_biases(m)
     embed_and_head = (1 if _tied(m) else 2) * m.vocab_size * m.d_model
     return (m.num_layers * (attn + _layer_norms(m)) + mlp + embed_and_head
             + m.d_model)  # + final norm
@@ -131,7 +137,10 @@ def active_param_count(m) -> int:
     not pick (each mixture-of-experts layer's ``num_experts - top_k``); a dense model's whole
     count."""
     k, n = experts(m)
-    return param_count(m) - len(moe_layers(m)) * (n - k) * 3 * m.d_model * expert_dim(m)
+    e = _moe(m)
+    per_expert = 3 * m.d_model * expert_dim(m) + (
+        2 * expert_dim(m) + m.d_model if e is not None and e.get("expert_bias", False) else 0)
+    return param_count(m) - len(moe_layers(m)) * (n - k) * per_expert
 
 
 def _layer_norms(m) -> int:
@@ -148,8 +157,11 @@ def _layer_norms(m) -> int:
 
 
 def _qkv_biases(m) -> int:
-    """Bias entries per layer (bq, bk, bv) when model.qkv_bias is on."""
-    return head_dim(m) * (m.num_heads + 2 * m.num_kv_heads) if m.get("qkv_bias", False) else 0
+    """Bias-like entries per attention layer: bq, bk, bv (model.qkv_bias), bo
+    (model.o_bias) and the sinks' logit per query head (model.attention_sinks)."""
+    return ((head_dim(m) * (m.num_heads + 2 * m.num_kv_heads) if m.get("qkv_bias", False) else 0)
+            + (m.d_model if m.get("o_bias", False) else 0)
+            + (m.num_heads if m.get("attention_sinks", False) else 0))
 
 
 def _tied(m) -> bool:

@@ -125,6 +125,8 @@ class Attention(nnx.Module):
             self.bv = _bias((m.num_kv_heads, hd), ("kv_heads", "head_dim"))
         else:
             self.bq = self.bk = self.bv = None
+        # gpt-oss's bias on the output projection (its attention_bias: q, k, v and o)
+        self.bo = _bias((d,), ("embed",)) if m.get("o_bias", False) else None
         # Qwen3 / Gemma 3: an RMSNorm over each head's dims, one weight for all heads, before
         # RoPE; OLMoE's (model.qk_norm_scope=projection): one over the whole q (and k)
         # projection, all heads' dims together, a weight each
@@ -165,6 +167,8 @@ class Attention(nnx.Module):
             o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD, sinks_H)
         out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype),
                              self.wo[...].astype(self.dtype))
+        if self.bo is not None:
+            out_BLD = out_BLD + self.bo[...].astype(self.dtype)
         return out_BLD, (k_BLKD, v_BLKD)
 
     def qkv(self, x_BLD, positions_BL, rope: Rope | None):

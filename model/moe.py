@@ -118,30 +118,82 @@ def grouped_matmul(x_ND, w_EDF, sizes_E, impl: str, sparse: bool = False):
     return jnp.take(y.reshape(blocks * b, F), slot_N, axis=0, mode="fill", fill_value=0)
 
 
+GLUS = ("gated", "clamped")  # model.moe.glu
+
+
+def gated_unit(e, activation=jax.nn.silu):
+    """``unit(gate, up)``: the experts' hidden activations from their gate and up projections
+    (``model.moe.glu``). gated: ``activation(gate) * up``. clamped (gpt-oss's): the gate
+    clamped above at ``glu_limit`` and up to ``[-glu_limit, glu_limit]``, then ``(up + 1) *
+    gate * sigmoid(glu_alpha * gate)``."""
+    if e.get("glu", "gated") != "clamped":
+        return lambda gate, up: activation(gate) * up
+    limit, alpha = float(e.glu_limit), float(e.glu_alpha)
+
+    def clamped(gate, up):
+        gate = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1) * (gate * jax.nn.sigmoid(alpha * gate))
+    return clamped
+
+
+def silu_unit(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def expert_rows(xs_ND, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, biases, grouped,
+                unit=silu_unit):
+    """The experts' gated MLPs on rows sorted by expert (``sizes_E`` rows each; rows past the
+    groups give 0): [N, D]. ``grouped(x, w, sizes)`` is the grouped matmul; ``biases``
+    (``b_gate_EF``, ``b_up_EF``, ``b_down_ED``: gpt-oss's) or None, each row taking its
+    expert's."""
+    gate_NF = grouped(xs_ND, w_gate_EDF, sizes_E)
+    up_NF = grouped(xs_ND, w_up_EDF, sizes_E)
+    if biases is None:
+        return grouped(unit(gate_NF, up_NF), w_down_EFD, sizes_E)
+    b_gate_EF, b_up_EF, b_down_ED = biases
+    # each row's expert; E (no bias) for the rows past the groups, so they stay 0
+    group_N = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(xs_ND.shape[0]), side="right")
+
+    def bias(b_EX, like):
+        return jnp.take(b_EX, group_N, axis=0, mode="fill", fill_value=0).astype(like.dtype)
+
+    h_NF = unit(gate_NF + bias(b_gate_EF, gate_NF), up_NF + bias(b_up_EF, up_NF))
+    y_ND = grouped(h_NF, w_down_EFD, sizes_E)
+    return y_ND + bias(b_down_ED, y_ND)
+
+
 def experts_forward(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                    impl: str = "blocks", activation=jax.nn.silu, capacity: int = 0):
+                    impl: str = "blocks", activation=jax.nn.silu, capacity: int = 0,
+                    biases=None, unit=None):
     """(output [T, D], dropped picks): each token's k experts' gated MLPs, weighted. The pairs
-    run sorted by expert; ``capacity`` > 0 keeps each expert's first ``capacity`` pairs."""
+    run sorted by expert; ``capacity`` > 0 keeps each expert's first ``capacity`` pairs.
+    ``unit(gate, up)`` (``gated_unit``; None: ``activation(gate) * up``) and ``biases`` as
+    ``expert_rows`` takes them."""
+    unit = unit or (lambda gate, up: activation(gate) * up)
     T, K = experts_TK.shape
     E = w_gate_EDF.shape[0]
     if impl == "dense":  # every expert on every token, the unpicked ones weighted 0
         if capacity:
             raise ValueError("model.moe.grouped=dense computes every expert: no capacity")
         gate_TEF = jnp.einsum("td,edf->tef", x_TD, w_gate_EDF)
-        h_TEF = activation(gate_TEF) * jnp.einsum("td,edf->tef", x_TD, w_up_EDF)
+        up_TEF = jnp.einsum("td,edf->tef", x_TD, w_up_EDF)
+        if biases is not None:
+            gate_TEF = gate_TEF + biases[0].astype(gate_TEF.dtype)
+            up_TEF = up_TEF + biases[1].astype(up_TEF.dtype)
+        h_TEF = unit(gate_TEF, up_TEF)
         mix_TE = jnp.einsum("tk,tke->te", weights_TK,
                             jax.nn.one_hot(experts_TK, E, dtype=weights_TK.dtype))
         y_TD = jnp.einsum("tef,efd->td", h_TEF * mix_TE[:, :, None].astype(h_TEF.dtype),
                           w_down_EFD)
+        if biases is not None:
+            y_TD = y_TD + (mix_TE @ biases[2].astype(mix_TE.dtype)).astype(y_TD.dtype)
         return y_TD, jnp.zeros((), jnp.int32)
     expert_N = experts_TK.reshape(-1)
     order_N = jnp.argsort(expert_N, stable=True)  # by expert, then by token
     sorted_e = expert_N[order_N]
     sizes_E = jnp.bincount(expert_N, length=E).astype(jnp.int32)
-    xs_ND = x_TD[order_N // K]
-    h_NF = (activation(grouped_matmul(xs_ND, w_gate_EDF, sizes_E, impl))
-            * grouped_matmul(xs_ND, w_up_EDF, sizes_E, impl))
-    ys_ND = grouped_matmul(h_NF, w_down_EFD, sizes_E, impl)
+    ys_ND = expert_rows(x_TD[order_N // K], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, biases,
+                        lambda x, w, sizes: grouped_matmul(x, w, sizes, impl), unit)
     weights_N = weights_TK.reshape(-1)[order_N]
     dropped = jnp.zeros((), jnp.int32)
     if capacity:
@@ -223,7 +275,8 @@ def aux_losses(stats: dict, num_experts: int, top_k: int) -> dict:
 class MoE(nnx.Module):
     """The MLP slot of a block as a mixture of experts (``model.moe``): ``router`` [D, E]
     (``router_bias`` [E] where the family has one) and the experts' stacked SwiGLU weights
-    ``w_gate``, ``w_up`` [E, D, F] and ``w_down`` [E, F, D]."""
+    ``w_gate``, ``w_up`` [E, D, F] and ``w_down`` [E, F, D] (with ``model.moe.expert_bias``,
+    gpt-oss's, their biases ``b_gate``, ``b_up`` [E, F] and ``b_down`` [E, D])."""
 
     def __init__(self, m, dtype, rngs: nnx.Rngs, mesh=None):
         e = m.moe
@@ -234,9 +287,15 @@ class MoE(nnx.Module):
         self.w_gate = _param(rngs, (E, D, F), ("experts", "expert_embed", "mlp"), std)
         self.w_up = _param(rngs, (E, D, F), ("experts", "expert_embed", "mlp"), std)
         self.w_down = _param(rngs, (E, F, D), ("experts", "mlp", "expert_embed"), out_std)
+        if e.get("expert_bias", False):
+            self.b_gate = _bias((E, F), ("experts", "mlp"))
+            self.b_up = _bias((E, F), ("experts", "mlp"))
+            self.b_down = _bias((E, D), ("experts", "expert_embed"))
+        else:
+            self.b_gate = self.b_up = self.b_down = None
         self.dtype, self.num_experts, self.top_k = dtype, E, int(e.top_k)
         self.router_kind, self.renormalize = str(e.router), bool(e.renormalize)
-        self.activation = ACTIVATIONS[str(m.get("mlp_activation", "silu"))]
+        self.unit = gated_unit(e, ACTIVATIONS[str(m.get("mlp_activation", "silu"))])
         self.impl = grouped_impl(str(e.get("grouped", "auto")))
         self.capacity_factor = float(e.get("capacity", 0.0) or 0.0)
         # gather: the experts come to every device's tokens; all_to_all: the tokens go to
@@ -256,8 +315,9 @@ class MoE(nnx.Module):
         from jax.sharding import PartitionSpec as P
         from model.chunks import TOKEN_AXES, cast_before_gather
         from parallel.mesh import BATCH_AXES, batch_shards, fit_spec, logical_to_spec
-        experts = tuple(cast_before_gather(w[...], self.dtype)
-                        for w in (self.w_gate, self.w_up, self.w_down))
+        params = [w for w in (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up,
+                              self.b_down) if w is not None]
+        experts = tuple(cast_before_gather(w[...], self.dtype) for w in params)
         router = (self.router[...], None if self.router_bias is None else self.router_bias[...])
         B, L, _ = x_BLD.shape
         mesh = self.mesh
@@ -268,7 +328,7 @@ class MoE(nnx.Module):
         # their gradients, where a gather before the shard_map would all-reduce them whole.
         # With model.moe.dispatch=all_to_all they stay where they are and the tokens travel.
         stored = [fit_spec(logical_to_spec(w.get_metadata()["axes"]), a.shape, mesh)
-                  for w, a in zip((self.w_gate, self.w_up, self.w_down), experts)]
+                  for w, a in zip(params, experts)]
 
         def shards(spec):
             return spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
@@ -296,11 +356,17 @@ class MoE(nnx.Module):
 
     def local(self, weights, x_BLD, real_BL, tensor_axis, ep_axes=None):
         """``__call__`` on one device's tokens (or the whole batch's, off a mesh), with
-        ``weights`` (router, router bias, w_gate, w_up, w_down) whole but for the experts' width
-        split over ``tensor_axis`` (its partial sums added there) and, with ``ep_axes``, the
-        experts split over those axes, this device's share of them (the pairs sent to them by
-        all-to-all: parallel/experts.py). A capacity counts this device's pairs."""
-        router, bias, w_gate, w_up, w_down = weights
+        ``weights`` (router, router bias, w_gate, w_up, w_down and, with expert biases, b_gate,
+        b_up, b_down) whole but for the experts' width split over ``tensor_axis`` (its partial
+        sums added there) and, with ``ep_axes``, the experts split over those axes, this
+        device's share of them (the pairs sent to them by all-to-all: parallel/experts.py). A
+        capacity counts this device's pairs."""
+        router, bias, w_gate, w_up, w_down, *biases = weights
+        biases = tuple(biases) or None
+        if biases is not None and tensor_axis is not None:
+            # the down bias is added once to the partial sums the tensor devices add up
+            first = (jax.lax.axis_index(tensor_axis) == 0).astype(biases[2].dtype)
+            biases = (*biases[:2], biases[2] * first)
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
         logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
@@ -312,16 +378,18 @@ class MoE(nnx.Module):
                     if self.capacity_factor else 0)
         if ep_axes:
             from parallel.experts import exchange_impl, experts_all_to_all
+            grouped = lambda x, w, sizes: grouped_matmul(x, w, sizes, self.impl, sparse=True)  # noqa: E731
             y_TD, dropped = experts_all_to_all(
                 x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, axis_name=ep_axes,
-                num_experts=self.num_experts,
-                grouped=lambda x, w, sizes: grouped_matmul(x, w, sizes, self.impl, sparse=True),
+                num_experts=self.num_experts, grouped=grouped,
                 exchange=exchange_impl(self.impl), receive_buffer=self.receive_buffer,
-                capacity=capacity, activation=self.activation)
+                capacity=capacity,
+                rows=lambda xs, sizes: expert_rows(xs, sizes, w_gate, w_up, w_down, biases,
+                                                   grouped, self.unit))
         else:
             y_TD, dropped = experts_forward(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down,
-                                            impl=self.impl, activation=self.activation,
-                                            capacity=capacity)
+                                            impl=self.impl, capacity=capacity, biases=biases,
+                                            unit=self.unit)
         if tensor_axis is not None:
             y_TD = jax.lax.psum(y_TD, tensor_axis)  # each tensor device held part of F
         stats = router_stats(logits_TE, probs_TE, experts_TK, real_BL, dropped)

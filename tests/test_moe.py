@@ -11,12 +11,17 @@ import pytest
 from model import moe
 
 
-def reference(x, router, w_gate, w_up, w_down, top_k, kind, renormalize, capacity=0):
+def reference(x, router, w_gate, w_up, w_down, top_k, kind, renormalize, capacity=0,
+              biases=None, clamped=False):
     """float64 numpy: every expert on every token, each token's output the sum over its k
-    picks (lowest index first among equal scores) of weight x that expert's gated MLP."""
+    picks (lowest index first among equal scores) of weight x that expert's gated MLP.
+    ``biases`` (router [E], gate [E, F], up [E, F], down [E, D]) and ``clamped`` (gpt-oss's
+    unit, as transformers' GptOssExperts writes it): gpt-oss's experts."""
     x, router, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in
                                        (x, router, w_gate, w_up, w_down))
-    logits = x @ router
+    b_router, b_gate, b_up, b_down = ([np.asarray(b, np.float64) for b in biases] if biases
+                                      else (0.0, 0.0, 0.0, 0.0))
+    logits = x @ router + b_router
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     score = probs if kind == "softmax_topk" else logits
@@ -27,9 +32,14 @@ def reference(x, router, w_gate, w_up, w_down, top_k, kind, renormalize, capacit
         weights /= weights.sum(-1, keepdims=True)
     elif renormalize:
         weights = weights / weights.sum(-1, keepdims=True)
-    gate = np.einsum("td,edf->tef", x, w_gate)
-    every = np.einsum("tef,efd->ted", gate / (1 + np.exp(-gate)) * np.einsum(
-        "td,edf->tef", x, w_up), w_down)
+    gate = np.einsum("td,edf->tef", x, w_gate) + b_gate
+    up = np.einsum("td,edf->tef", x, w_up) + b_up
+    if clamped:
+        gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+        hidden = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+    else:
+        hidden = gate / (1 + np.exp(-gate)) * up
+    every = np.einsum("tef,efd->ted", hidden, w_down) + b_down
     if capacity:  # each expert keeps its first `capacity` picks in (token, rank) order
         taken = np.zeros(router.shape[1], int)
         for t in range(x.shape[0]):
@@ -65,6 +75,35 @@ def test_router_dispatch_and_experts_are_the_dense_float64_reference(rng, kind, 
     assert np.array_equal(np.asarray(experts), picks) and int(dropped) == 0
     assert not np.any((picks == 5) & ~np.any(picks == 2, axis=1, keepdims=True))
     np.testing.assert_allclose(np.asarray(probs), want_probs, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def gpt_oss_experts(rng, T, D, E, F):
+    """Random gpt-oss expert weights whose gate and up projections reach past the clamp at 7."""
+    x = rng.normal(0, 1, (T, D))
+    router, w_gate, w_up, w_down = weights_of(rng, D, E, F)
+    biases = (rng.normal(0, 1, E), rng.normal(0, 2, (E, F)), rng.normal(0, 2, (E, F)),
+              rng.normal(0, 1, (E, D)))
+    return x, (router, w_gate * 3, w_up * 3, w_down), biases
+
+
+@pytest.mark.parametrize("impl", ["blocks", "dense", "ragged"])
+def test_gpt_oss_experts_biases_and_clamped_unit_are_the_float64_reference(rng, impl):
+    """gpt-oss's experts (model.moe.expert_bias, glu=clamped) with its router (top-k logits,
+    then a softmax over them, a router bias): every grouped matmul gives the float64
+    reference, with gates and ups past the clamp at 7 on both sides."""
+    from ml_collections import ConfigDict
+    T, D, E, F, K = 300, 16, 8, 12, 3  # the test above's shapes: its compiled ops serve again
+    x, w, biases = gpt_oss_experts(rng, T, D, E, F)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    weights, experts, _ = moe.route(f32(x) @ f32(w[0]) + f32(biases[0]), K, "topk_softmax")
+    unit = moe.gated_unit(ConfigDict({"glu": "clamped", "glu_limit": 7.0, "glu_alpha": 1.702}))
+    got, _ = moe.experts_forward(f32(x), weights, experts, *map(f32, w[1:]), impl=impl,
+                                 biases=tuple(map(f32, biases[1:])), unit=unit)
+    want, picks, _ = reference(x, *w, K, "topk_softmax", False, biases=biases, clamped=True)
+    gate = np.einsum("td,edf->tef", x, w[1]) + biases[1]
+    assert (gate > 7).any() and (np.abs(np.einsum("td,edf->tef", x, w[2]) + biases[2]) > 7).any()
+    assert np.array_equal(np.asarray(experts), picks)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
@@ -261,7 +300,7 @@ def batch_of(rng):
             "segment_ids": segments, "loss_mask": mask}
 
 
-def step_of(c, params, natural, devices):
+def step_of(c, params, natural, devices, leaves=False):
     from parallel import layouts
     from parallel.mesh import make_mesh
     from training.state import Trainer
@@ -274,7 +313,8 @@ def step_of(c, params, natural, devices):
     grads = jax.device_get(grads)
     norm = float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64))
                              for g in jax.tree.leaves(grads))))
-    return float(loss), {k: float(v) for k, v in jax.device_get(metrics).items()}, norm, trainer
+    out = float(loss), {k: float(v) for k, v in jax.device_get(metrics).items()}, norm, trainer
+    return (*out, grads) if leaves else out
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +356,48 @@ def test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp(one_device, 
     for key in ("aux_loss", "z_loss", "expert_load"):
         assert abs(metrics[key] - want_metrics[key]) < 1e-5 * want_metrics[key], key
     assert abs(norm - want_norm) < 1e-4 * want_norm
+
+
+def gpt_oss_config(mesh=None, impl="dense", layout="contiguous", dispatch="gather"):
+    """moe_config with gpt-oss's blocks: sinks, biases on q, k, v and o, a 16-token window on
+    layer 0 and full attention on layer 1, its router and experts (configs/llama.py
+    gpt_oss_layers)."""
+    c = moe_config(mesh, impl, layout, 1, dispatch)
+    c.model.update(attention_sinks=True, qkv_bias=True, o_bias=True, sliding_window=16,
+                   layer_types="sliding,full")
+    c.model.moe.update(router="topk_softmax", renormalize=False, router_bias=True,
+                       expert_bias=True, glu="clamped", glu_limit=7.0, glu_alpha=1.702)
+    return c
+
+
+def test_gpt_oss_step_on_one_device_and_striped_with_its_experts_split(one_device):
+    """gpt-oss's blocks, every weight random (sinks and biases too): the step on one device and
+    striped over a ring of 4 x tensor 2, the experts split over the ring and sent their tokens
+    by all-to-all, each one's width (and its gate and up biases) over tensor: the loss, the
+    aux loss and every parameter's gradient, within fp32 noise."""
+    from parallel.mesh import make_mesh
+    from training.state import Trainer
+    _, _, natural, _ = one_device
+    c = gpt_oss_config()
+    shapes = jax.eval_shape(Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))._init, 0).params
+    rng = np.random.default_rng(11)  # the weights' scale, the sinks' and biases' larger
+    params = jax.tree.map(lambda p: rng.normal(0, 0.2 if p.ndim > 1 else 0.5, p.shape)
+                          .astype(np.float32), shapes)
+    one = step_of(c, params, natural, jax.devices()[:1], leaves=True)
+    mesh = {"data": 1, "fsdp": 1, "sequence": 4, "tensor": 2}
+    got = step_of(gpt_oss_config(mesh, "ring", "striped", "all_to_all"), params, natural,
+                  jax.devices()[:8], leaves=True)
+    assert abs(got[0] - one[0]) < 1e-5 * one[0]
+    assert abs(got[1]["aux_loss"] - one[1]["aux_loss"]) < 1e-5 * one[1]["aux_loss"]
+    spec = got[3].param_shardings["blocks"]["mlp"]["b_gate"].spec
+    assert spec[1] is not None and spec[2] is not None  # split by expert and by width
+    flat = jax.tree_util.tree_flatten_with_path(one[4])[0]
+    assert {jax.tree_util.keystr(k) for k, _ in flat} >= {
+        "['blocks']['attn']['sinks']", "['blocks']['attn']['bo']", "['blocks']['mlp']['b_down']"}
+    for (path, want), g in zip(flat, jax.tree.leaves(got[4])):
+        scale = np.abs(want).max()
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, want, atol=2e-4 * scale, err_msg=jax.tree_util.keystr(path))
 
 
 def test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens(one_device):
