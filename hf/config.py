@@ -1,7 +1,7 @@
 """A Hugging Face ``config.json`` to and from this project's model config: LLaMA, Mistral, Qwen2,
 Qwen3, Gemma 3 (``Gemma3ForCausalLM``, and the language model of
-``Gemma3ForConditionalGeneration``), SmolLM3, and the mixtures of experts Mixtral, Qwen3-MoE and
-OLMoE.
+``Gemma3ForConditionalGeneration``), SmolLM3, and the mixtures of experts Mixtral, Qwen3-MoE,
+OLMoE and gpt-oss.
 
 Every family is the LLaMA block with some of the model's switches on:
 - Qwen2: biases on q, k and v (``model.qkv_bias``).
@@ -38,6 +38,15 @@ Every family is the LLaMA block with some of the model's switches on:
   norms' widths assume it); no window. ``clip_qkv`` (q, k and v clamped) does not convert;
   ``router_z_loss_coef``, which transformers never adds to the loss, is left out in one line
   (``left_out``: ``model.moe.z_loss`` stays 0, the loss transformers computes).
+- gpt-oss (``GptOssForCausalLM``): attention sinks (``model.attention_sinks``), and with
+  ``attention_bias`` biases on q, k, v and o (``model.qkv_bias`` and ``model.o_bias``); its
+  ``layer_types`` (by default the even layers sliding by ``sliding_window``, the odd full);
+  every MLP a mixture of ``num_local_experts``, ``num_experts_per_tok`` a token, scored top k
+  then a softmax over the k (``model.moe.router=topk_softmax``) with a router bias, each
+  expert of width ``intermediate_size`` with biases (``expert_bias``) and the clamped unit
+  (``glu=clamped``: ``swiglu_limit``, ``swiglu_alpha``). Its released weights' MXFP4 experts
+  (``quantization_config``) are dequantized at import (hf/mxfp4.py); export writes bf16 or
+  fp32.
 Each layer's kind becomes ``model.layer_types`` (full | sliding | full_nope | sliding_nope; empty
 when every layer is alike) and ``model.sliding_window`` (a query at p sees keys p - W < k <= p,
 transformers' convention); the window and the kinds are read as transformers builds the model
@@ -49,8 +58,8 @@ RoPE arrives as ``rope_theta`` + ``rope_scaling`` (released checkpoints, transfo
 (the sliding layers', unscaled, when it differs). Defaults a config leaves out are transformers'
 (``DEFAULTS``: released Gemma 3 text configs list only what differs).
 
-Export writes the architecture the model's fields need (``architecture``): a mixture of experts
--> OlmoeForCausalLM with q/k norms over the whole projection (``model.qk_norm_scope``), with
+Export writes the architecture the model's fields need (``architecture``): attention sinks ->
+GptOssForCausalLM (with the rest of gpt-oss's block); a mixture of experts -> OlmoeForCausalLM with q/k norms over the whole projection (``model.qk_norm_scope``), with
 per-head ones Qwen3MoeForCausalLM, else MixtralForCausalLM; Gemma's fields ->
 Gemma3ForCausalLM, NoPE layers (or windows on some layers only, without biases or q/k norms) ->
 SmolLM3ForCausalLM, q/k norms -> Qwen3ForCausalLM, q/k/v biases -> Qwen2ForCausalLM, a window on
@@ -73,7 +82,7 @@ CONVERTS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM"}
+            "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # Multimodal model_type -> (its architecture, the model_type of its language model): the
 # language model (config.json's text_config) converts, the rest is left out.
 MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
@@ -88,7 +97,9 @@ GEMMA = ("gemma3_text",)  # 1 + w norms, sandwich norms, scaled embeddings, its 
 # width, whether the top k weights are renormalised: a bool, or the key saying so)
 MOE = {"mixtral": ("intermediate_size", True), "qwen3_moe": ("moe_intermediate_size",
                                                              "norm_topk_prob"),
-       "olmoe": ("intermediate_size", "norm_topk_prob")}
+       "olmoe": ("intermediate_size", "norm_topk_prob"),
+       "gpt_oss": ("intermediate_size", False)}  # its top k: a softmax over the k logits
+GPT_OSS = ("gpt_oss",)  # sinks, biases on q, k, v and o, gpt-oss's router and experts
 # Model types whose one sliding_window (if any) applies to every layer
 EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe")
 
@@ -130,10 +141,20 @@ DEFAULTS = {
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
               "attention_bias": False, "clip_qkv": None, "num_experts_per_tok": 8,
               "norm_topk_prob": False, "router_aux_loss_coef": 0.01, "rope_theta": 10000.0},
+    "gpt_oss": {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "head_dim": 64, "sliding_window": 128, "tie_word_embeddings": False,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                "router_aux_loss_coef": 0.001, "attention_bias": True, "rope_theta": 150000.0,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False,
+                                    "original_max_position_embeddings": 4096,
+                                    "rope_theta": 150000.0}},
 }
 # The expert count's default where a config names none (its key is read in either spelling:
 # num_local_experts, as transformers 5.23 writes it, or num_experts: ``_num_experts``)
-DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64}
+DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64, "gpt_oss": 128}
 
 # Known decoders that do not convert, model_type -> (name, what it has that this model has not).
 REFUSED = {
@@ -252,9 +273,10 @@ def _refuse(cfg: dict):
         raise ConversionError(f"config.json: clip_qkv={cfg['clip_qkv']!r}: transformers clamps "
                               f"q, k and v to +-clip_qkv ({arch}); this model's attention does "
                               f"not clip (clip_qkv null converts)")
-    if cfg.get("attention_bias"):
+    if cfg.get("attention_bias") and kind not in GPT_OSS:
         raise ConversionError("config.json: attention_bias=true (biases on q, k, v and o); only "
-                              "Qwen2's q/k/v biases convert (model_type 'qwen2')")
+                              "Qwen2's q/k/v biases and gpt-oss's on all four convert "
+                              "(model_type 'qwen2', 'gpt_oss')")
     if cfg.get("mlp_bias"):
         raise ConversionError("config.json: mlp_bias=true; this model's MLP has no biases")
     if cfg.get("use_bidirectional_attention"):
@@ -328,6 +350,8 @@ def _hf_layer_types(cfg: dict, window, rope: list[bool]) -> list[str]:
     if kind in GEMMA:  # Gemma3TextConfig: every sliding_window_pattern-th layer is global
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    if kind in GPT_OSS:  # GptOssConfig: the even layers (from 0) slide, the odd are full
+        return [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
     return [FULL] * n
 
 
@@ -519,11 +543,21 @@ def moe_fields(cfg: dict) -> dict:
     except KeyError:
         raise ConversionError(f"config.json lacks {width_key!r}, which a {CONVERTS[kind]} "
                               f"config has") from None
+    gpt_oss = kind in GPT_OSS
+    limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
+    if gpt_oss and not (isinstance(limit, (int, float)) and limit > 0
+                        and isinstance(alpha, (int, float))):
+        raise ConversionError(f"config.json: swiglu_limit={limit!r}, swiglu_alpha={alpha!r}; "
+                              f"gpt-oss's clamped unit needs a limit > 0 and a number alpha")
     return {"num_experts": int(experts), "top_k": int(top_k), "expert_dim": width,
-            "router": "softmax_topk",
+            # gpt-oss: the top k logits, then a softmax over them; a bias on the router and on
+            # each expert; the clamped unit ((up + 1) * gate * sigmoid(alpha * gate))
+            "router": "topk_softmax" if gpt_oss else "softmax_topk",
             "renormalize": (renormalize if isinstance(renormalize, bool)
                             else bool(cfg.get(renormalize))),
-            "router_bias": False,
+            "router_bias": gpt_oss, "expert_bias": gpt_oss,
+            "glu": "clamped" if gpt_oss else "gated", "glu_limit": float(limit),
+            "glu_alpha": float(alpha),
             "aux_loss": float(cfg.get("router_aux_loss_coef") or 0.0),
             "z_loss": 0.0, "capacity": 0.0,
             "every": int(every), "first_dense": 0, "dense_layers": ",".join(map(str, dense))}
@@ -567,7 +601,10 @@ def model_fields(cfg: dict) -> dict:
                   "ffn_dim": int(cfg["intermediate_size"]),
                   "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
                   "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-                  "qkv_bias": kind in QKV_BIAS}
+                  "qkv_bias": kind in QKV_BIAS or (kind in GPT_OSS
+                                                   and bool(cfg.get("attention_bias"))),
+                  "o_bias": kind in GPT_OSS and bool(cfg.get("attention_bias")),
+                  "attention_sinks": kind in GPT_OSS}
     except KeyError as e:
         raise ConversionError(f"config.json lacks {e.args[0]!r}, which a "
                               f"{CONVERTS[kind]} config has") from None
@@ -609,7 +646,7 @@ WRITTEN = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_fre
            "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
            "router_jitter_noise", "decoder_sparse_step", "mlp_only_layers",
            "output_router_logits", "n_routed_experts", "moe_num_experts", "clip_qkv",
-           "router_z_loss_coef")
+           "router_z_loss_coef", "swiglu_limit", "swiglu_alpha", "quantization_config")
 
 
 def _experts(m) -> int:
@@ -677,6 +714,46 @@ def _moe_architecture(m, gemma: list, nope: bool, sliding: list) -> str:
     return "mixtral"
 
 
+def _gpt_oss_features(m) -> list[str]:
+    """The fields of ``m`` that only gpt-oss has (the o projection's bias, the experts' biases,
+    the clamped unit)."""
+    moe = m.get("moe", None)
+    experts = _experts(m) > 0
+    return ((["model.o_bias"] if m.get("o_bias", False) else [])
+            + (["model.moe.expert_bias"] if experts and moe.get("expert_bias", False) else [])
+            + (["model.moe.glu=clamped"] if experts and moe.get("glu", "gated") == "clamped"
+               else []))
+
+
+def _gpt_oss_architecture(m, gemma: list, nope: bool) -> str:
+    """gpt_oss for a model with attention sinks that has the rest of gpt-oss's block, or one
+    line saying what GptOssForCausalLM would lack or add."""
+    on = lambda f: bool(m.get(f, False))  # noqa: E731
+    e = m.get("moe", None)
+    from model.flops import moe_layers
+    what = ([f"model.{f}" for f in gemma] + (["NoPE layers"] if nope else [])
+            + (["model.qk_norm"] if on("qk_norm") else []))
+    if not _experts(m):
+        what.append("no mixture of experts (model.moe.num_experts=0)")
+    else:
+        if len(moe_layers(m)) < m.num_layers:
+            what.append("dense layers (model.moe.every, first_dense, dense_layers)")
+        for field, want in (("router", "topk_softmax"), ("router_bias", True),
+                            ("expert_bias", True), ("glu", "clamped")):
+            if e.get(field, None) != want:
+                what.append(f"model.moe.{field}={e.get(field, None)!r} (not {want!r})")
+    if on("qkv_bias") != on("o_bias"):
+        what.append(f"model.qkv_bias={on('qkv_bias')} with model.o_bias={on('o_bias')} "
+                    f"(attention_bias is both or neither)")
+    if what:
+        raise ConversionError(
+            f"model.attention_sinks with {', '.join(what)}: no Hugging Face architecture has "
+            f"this combination (GptOssForCausalLM, the one with sinks: every layer a mixture of "
+            f"experts with its router (topk_softmax, a bias) and experts (biases, glu=clamped), "
+            f"biases on q, k, v and o or none, LLaMA's norms)")
+    return "gpt_oss"
+
+
 def architecture(m) -> str:
     """The model_type an export of model config ``m`` writes: a mixture of experts -> olmoe
     with q/k norms over the whole projection, qwen3_moe with per-head ones, else mixtral;
@@ -691,10 +768,6 @@ def architecture(m) -> str:
     on = lambda f: bool(m.get(f, False))  # noqa: E731
     local = float(m.get("local_rope_theta", 0.0) or 0.0)
     scalar = float(m.get("query_pre_attn_scalar", 0.0) or 0.0)
-    if on("attention_sinks"):  # not dropped silently: the export would lose them
-        raise ConversionError(
-            "model.attention_sinks: exporting attention sinks is not supported yet (gpt-oss's "
-            "GptOssForCausalLM, the architecture with them, is not mapped)")
     gemma = [f for f in GEMMA_BLOCK[1:] if on(f)]
     if float(m.get("final_logit_softcap", 0.0) or 0.0):
         gemma.append("final_logit_softcap")
@@ -704,6 +777,13 @@ def architecture(m) -> str:
         gemma.append("local_rope_theta")  # a RoPE of their own on the sliding layers
     nope = any(k.endswith("_nope") for k in names)
     sliding = [k.startswith("sliding") for k in names]
+    own = _gpt_oss_features(m)
+    if on("attention_sinks"):
+        return _gpt_oss_architecture(m, gemma, nope)
+    if own:  # not dropped silently: no other architecture has them
+        raise ConversionError(
+            f"{', '.join(own)} without model.attention_sinks: no Hugging Face architecture has "
+            f"this combination (GptOssForCausalLM, the one with them, has attention sinks)")
     if _experts(m):
         return _moe_architecture(m, gemma, nope, sliding)
     if _projection_norms(m):
@@ -863,7 +943,14 @@ def hf_config(m, *, seq_len: int, dtype: str, base: dict | None, bos: int | None
         width = int(e.get("expert_dim", 0) or m.ffn_dim)
         out.update(num_experts_per_tok=int(e.top_k), router_aux_loss_coef=float(e.aux_loss),
                    output_router_logits=False)
-        if kind == "mixtral":  # always renormalised; each expert's width is intermediate_size
+        if kind in GPT_OSS:  # num_local_experts; intermediate_size each expert's width
+            out.update(num_local_experts=int(e.num_experts), intermediate_size=width,
+                       swiglu_limit=float(e.glu_limit), swiglu_alpha=float(e.glu_alpha),
+                       attention_bias=bool(m.get("qkv_bias", False)), layer_types=types,
+                       # GptOssModel builds the sliding mask whatever the layers: a window
+                       # always (unused when no layer slides)
+                       sliding_window=window or int(base.get("sliding_window") or 128))
+        elif kind == "mixtral":  # always renormalised; each expert's width is intermediate_size
             jitter = base.get("router_jitter_noise", 0.0) if same_family else 0.0
             out.update(num_local_experts=int(e.num_experts), intermediate_size=width,
                        router_jitter_noise=float(jitter or 0.0))

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from errors import ConversionError
-from hf import config as hf_config, safetensors, weights
+from hf import config as hf_config, mxfp4, safetensors, weights
 
 HF_DIR = "hf"  # a run's copy of the imported HF config and tokenizer files
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
@@ -80,9 +80,17 @@ def import_hf(hf: str | pathlib.Path, out: str | pathlib.Path, config_path: str 
     if not (hf / "tokenizer.json").is_file():
         raise ConversionError(f"--hf {hf}: no tokenizer.json (a fast tokenizer is needed; "
                               f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR) writes one)")
+    cfg = _read_json(hf / "config.json")
+    # gpt-oss's released experts are MXFP4: dequantized to bf16 (exact) as each is read
+    quantized = mxfp4.check_quantization(cfg) == "mxfp4"
     _fresh(out, "--out")
-    return _import(hf.name, str(hf), _read_json(hf / "config.json"), hf,
-                   lambda: safetensors.Tensors(hf), out, config_path, overrides, log,
+
+    def tensors():
+        found = safetensors.Tensors(hf)
+        return mxfp4.Dequantized(found, safetensors.DTYPES["BF16"]) if quantized else found
+    if quantized:
+        log(f"{hf.name}: MXFP4 experts (quantization_config), dequantized to bfloat16")
+    return _import(hf.name, str(hf), cfg, hf, tensors, out, config_path, overrides, log,
                    where=str(hf / "config.json"))
 
 
@@ -164,12 +172,17 @@ def _import(name: str, source: str, cfg: dict, side: pathlib.Path, tensors, out:
         f"layers, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}, rope_theta "
         f"{m.rope_theta:g}, rope scaling {m.rope_scaling.type}"
         + (", tied embeddings" if m.tie_embeddings else "")
-        + (", q/k/v biases" if m.get("qkv_bias", False) else "")
+        + (", q/k/v biases" if m.get("qkv_bias", False) and not m.get("o_bias", False)
+           else ", q/k/v/o biases" if m.get("qkv_bias", False) else "")
+        + (", attention sinks" if m.get("attention_sinks", False) else "")
         + ((", q/k norms over the whole projection"
             if str(m.get("qk_norm_scope", "head")) == "projection" else ", q/k norms")
            if m.get("qk_norm", False) else "")
         + (f", {m.moe.num_experts} experts of width {m.moe.expert_dim}, top {m.moe.top_k}"
-           f"{' renormalised' if m.moe.renormalize else ''}, aux_loss {m.moe.aux_loss:g}"
+           f"{' renormalised' if m.moe.renormalize and m.moe.router == 'softmax_topk' else ''}"
+           f"{' (top-k logits, softmax)' if m.moe.router == 'topk_softmax' else ''}"
+           f"{', router and expert biases, clamped unit' if m.moe.get('glu') == 'clamped' else ''}"
+           f", aux_loss {m.moe.aux_loss:g}"
            if m.get("moe", None) is not None and m.moe.num_experts else "")
         + (", Gemma's block (1 + w norms, sandwich norms, scaled embeddings)"
            if m.get("sandwich_norms", False) else "")

@@ -140,34 +140,78 @@ def check_quantization(cfg: dict) -> str | None:
                           f"bf16/fp32 safetensors are read")
 
 
+def _dequantized(name: str, blocks, scales) -> np.ndarray:
+    """``X`` from the pair ``name`` (``X_blocks``) and its scales, checked: one line if they are
+    not uint8 blocks [E, R, G, 16] with uint8 scales [E, R, G]."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if (blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.ndim != 4
+            or blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape):
+        scales_name = name[: -len(MXFP4_SUFFIXES[0])] + MXFP4_SUFFIXES[1]
+        raise ConversionError(
+            f"{name} {blocks.dtype} {list(blocks.shape)} and {scales_name} "
+            f"{scales.dtype} {list(scales.shape)}: MXFP4 needs uint8 blocks "
+            f"[E, R, G, {BLOCK_BYTES}] and uint8 scales [E, R, G]")
+    return dequantize_param(blocks, scales)
+
+
+class Dequantized:
+    """A checkpoint's tensors (``names()``, ``in``, ``[name]``: hf/safetensors.Tensors) with
+    every ``X_blocks`` / ``X_scales`` pair served as ``X``, dequantized when read (one expert
+    matrix of a layer at a time, not the whole checkpoint) in transformers' parameter
+    orientation, cast to ``dtype`` (None: float32; bfloat16 holds every MXFP4 value exactly,
+    as transformers' bf16 dequantization does). A half pair stops in one line at once."""
+
+    def __init__(self, tensors, dtype=None):
+        blocks_suffix, scales_suffix = MXFP4_SUFFIXES
+        self.tensors, self.dtype, self.pairs = tensors, dtype, {}
+        for name in tensors.names():
+            if name.endswith(scales_suffix):
+                if name[: -len(scales_suffix)] + blocks_suffix not in tensors:
+                    raise ConversionError(f"{name} has no {name[: -len(scales_suffix)]}"
+                                          f"{blocks_suffix}: an MXFP4 tensor is a _blocks / "
+                                          f"_scales pair")
+            elif name.endswith(blocks_suffix):
+                base = name[: -len(blocks_suffix)]
+                if base + scales_suffix not in tensors:
+                    raise ConversionError(f"{name} has no {base + scales_suffix}: an MXFP4 "
+                                          f"tensor is a _blocks / _scales pair")
+                self.pairs[base] = name
+        self._names = sorted([n for n in tensors.names() if not n.endswith(MXFP4_SUFFIXES)]
+                             + list(self.pairs))
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.pairs or (name in self.tensors and not name.endswith(MXFP4_SUFFIXES))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.pairs:
+            return self.tensors[name]
+        blocks = self.pairs[name]
+        out = _dequantized(blocks, self.tensors[blocks],
+                           self.tensors[name + MXFP4_SUFFIXES[1]])
+        return out if self.dtype is None else out.astype(self.dtype)
+
+
+class _Dict:
+    def __init__(self, tensors: dict):
+        self.d = tensors
+
+    def names(self) -> list[str]:
+        return list(self.d)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.d
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.d[name]
+
+
 def dequantize_state(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every pair ``X_blocks`` / ``X_scales`` -> ``X``, float32 in transformers' parameter
     orientation (``dequantize_param``), so an MXFP4 checkpoint reads as an unquantized one; the
-    other tensors as they are. A half pair, or blocks and scales that disagree, stop in one
-    line."""
-    blocks_suffix, scales_suffix = MXFP4_SUFFIXES
-    out = {}
-    for name, tensor in tensors.items():
-        if name.endswith(scales_suffix):
-            base = name[: -len(scales_suffix)]
-            if base + blocks_suffix not in tensors:
-                raise ConversionError(f"{name} has no {base + blocks_suffix}: an MXFP4 tensor is "
-                                      f"a _blocks / _scales pair")
-            continue  # read with its blocks
-        if not name.endswith(blocks_suffix):
-            out[name] = tensor
-            continue
-        base = name[: -len(blocks_suffix)]
-        scales = tensors.get(base + scales_suffix)
-        if scales is None:
-            raise ConversionError(f"{name} has no {base + scales_suffix}: an MXFP4 tensor is a "
-                                  f"_blocks / _scales pair")
-        blocks, scales = np.asarray(tensor), np.asarray(scales)
-        if (blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.ndim != 4
-                or blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape):
-            raise ConversionError(
-                f"{name} {blocks.dtype} {list(blocks.shape)} and {base + scales_suffix} "
-                f"{scales.dtype} {list(scales.shape)}: MXFP4 needs uint8 blocks "
-                f"[E, R, G, {BLOCK_BYTES}] and uint8 scales [E, R, G]")
-        out[base] = dequantize_param(blocks, scales)
-    return out
+    other tensors as they are (``Dequantized``, all read). A half pair, or blocks and scales
+    that disagree, stop in one line."""
+    view = Dequantized(_Dict(tensors))
+    return {name: view[name] for name in view.names()}

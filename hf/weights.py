@@ -1,5 +1,5 @@
-"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 / Mixtral / Qwen3-MoE / OLMoE
-tensor names and shapes to this model's parameter tree, and back (Mistral's and SmolLM3's names
+"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma 3 / SmolLM3 / Mixtral / Qwen3-MoE / OLMoE /
+gpt-oss tensor names and shapes to this model's parameter tree, and back (Mistral's and SmolLM3's names
 are LLaMA's; Mixtral's and Qwen3-MoE's attention is Mistral's and Qwen3's; OLMoE's names are
 Qwen3-MoE's).
 
@@ -30,6 +30,13 @@ modules fuse them, and ``save_pretrained(save_original_format=False)`` writes th
 family under ``mlp.``): ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows) and
 ``mlp.experts.down_proj [E, D, F]``. Import reads any of these (``moe_layout`` finds which);
 export writes the family's released per-expert names.
+
+gpt-oss (``GptOssForCausalLM``) keeps its own names: ``self_attn.sinks [H]`` -> ``attn.sinks``,
+``self_attn.o_proj.bias [D]`` -> ``attn.bo``, ``mlp.router.weight [E, D]`` and ``.bias [E]``
+-> ``router`` (transposed) and ``router_bias``, ``mlp.experts.gate_up_proj [E, D, 2F]`` with
+gate and up interleaved (gate ``[..., 0::2]``, up ``[..., 1::2]``) -> ``w_gate``, ``w_up``
+[E, D, F] as they are, ``gate_up_proj_bias [E, 2F]`` -> ``b_gate``, ``b_up`` likewise,
+``down_proj [E, F, D]`` -> ``w_down`` and ``down_proj_bias [E, D]`` -> ``b_down``.
 
 Where only some layers are a mixture of experts (Qwen3-MoE's ``decoder_sparse_step`` and
 ``mlp_only_layers``: ``model.moe.every``, ``dense_layers``, ``first_dense``; model/flops.py
@@ -86,12 +93,23 @@ BIASES = (
     (("attn", "bk"), "self_attn.k_proj.bias", "bias_kv_heads"),
     (("attn", "bv"), "self_attn.v_proj.bias", "bias_kv_heads"),
 )
+# gpt-oss (model.o_bias, model.attention_sinks): the o projection's bias and a logit per head.
+O_BIAS = ((("attn", "bo"), "self_attn.o_proj.bias", "vector"),)
+SINKS = ((("attn", "sinks"), "self_attn.sinks", "heads_vector"),)
 # model.moe's tensors, by layout (``moe_layout``): the MLP slot's prefix within a layer, and the
 # per-expert names of (gate, up, down), or None for transformers 5's fused experts. OLMoE's are
 # Qwen3-MoE's.
 MOE_LAYOUTS = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-               "fused": ("mlp.", None)}
+               "fused": ("mlp.", None),
+               # GptOssForCausalLM's own (released and saved alike): ``_GPT_OSS``
+               "gpt_oss": ("mlp.", None)}
+# gpt-oss's MLP slot within a layer: the router with its bias, and the fused experts with
+# theirs, gate and up interleaved along the last axis (gate [..., 0::2], up [..., 1::2]) and
+# stored [in, out] (x @ W[e]), unlike the other families' fused [E, out, in]. Its released
+# checkpoints hold the two matrices as MXFP4 (hf/mxfp4.py: dequantized before they get here).
+_GPT_OSS = ("router.weight", "router.bias", "experts.gate_up_proj", "experts.gate_up_proj_bias",
+            "experts.down_proj", "experts.down_proj_bias")
 # Buffers some checkpoints carry that hold no parameter (RoPE tables are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Where a multimodal checkpoint keeps its language model: (prefix of the decoder's "model."
@@ -111,7 +129,9 @@ def _block(m):
     return (ATTENTION + (() if _experts(m) else MLP)
             + (SANDWICH_NORMS if m.get("sandwich_norms", False) else NORMS)
             + (_qk_norms(m) if m.get("qk_norm", False) else ())
-            + (BIASES if m.get("qkv_bias", False) else ()))
+            + (BIASES if m.get("qkv_bias", False) else ())
+            + (O_BIAS if m.get("o_bias", False) else ())
+            + (SINKS if m.get("attention_sinks", False) else ()))
 
 
 def _qk_norms(m):
@@ -156,6 +176,8 @@ def moe_layout(m, tensors=None) -> str | None:
     for a dense model."""
     if not _experts(m):
         return None
+    if m.get("attention_sinks", False):  # one layout (hf/config.py: sinks are gpt-oss's)
+        return "gpt_oss"
     family = "qwen3_moe" if m.get("qk_norm", False) else "mixtral"
     if tensors is None:
         return family
@@ -173,6 +195,9 @@ def _moe_shapes(m, layout: str) -> dict[str, tuple[int, ...]]:
     E, d = _experts(m), m.d_model
     f = int(m.moe.get("expert_dim", 0) or m.ffn_dim)
     prefix, names = MOE_LAYOUTS[layout]
+    if layout == "gpt_oss":
+        return dict(zip((prefix + n for n in _GPT_OSS),
+                        ((E, d), (E,), (E, d, 2 * f), (E, 2 * f), (E, f, d), (E, d))))
     out = {prefix + "gate.weight": (E, d)}
     if names is None:
         out.update({prefix + "experts.gate_up_proj": (E, 2 * f, d),
@@ -191,6 +216,13 @@ def _moe_to_ours(tensors, m, layout: str, i: int) -> dict[str, np.ndarray]:
     ``blocks/mlp``)."""
     at = LAYER.format(i=i) + MOE_LAYOUTS[layout][0]
     names = MOE_LAYOUTS[layout][1]
+    if layout == "gpt_oss":
+        router, bias, gate_up, gate_up_bias, down, down_bias = (
+            np.asarray(tensors[at + n]) for n in _GPT_OSS)
+        return {"router": router.T, "router_bias": bias,
+                "w_gate": gate_up[..., 0::2], "w_up": gate_up[..., 1::2], "w_down": down,
+                "b_gate": gate_up_bias[..., 0::2], "b_up": gate_up_bias[..., 1::2],
+                "b_down": down_bias}
     out = {"router": np.asarray(tensors[at + "gate.weight"]).T}
     if names is None:
         gate_up = np.asarray(tensors[at + "experts.gate_up_proj"])  # [E, 2F, D]
@@ -207,8 +239,18 @@ def _moe_to_ours(tensors, m, layout: str, i: int) -> dict[str, np.ndarray]:
 def _moe_to_hf(mlp: dict, m, i: int, j: int) -> dict[str, np.ndarray]:
     """Layer ``i``'s router and experts (``mlp``'s ``j``-th) under the family's released
     names."""
-    prefix, names = MOE_LAYOUTS[moe_layout(m)]
+    layout = moe_layout(m)
+    prefix, names = MOE_LAYOUTS[layout]
     at = LAYER.format(i=i) + prefix
+    if layout == "gpt_oss":
+        def interleave(gate, up):  # [..., F] each -> [..., 2F], gate first in each pair
+            return np.stack([np.asarray(gate), np.asarray(up)], axis=-1).reshape(
+                *np.shape(gate)[:-1], -1)
+        layer = {k: v[j] for k, v in mlp.items()}
+        return dict(zip((at + n for n in _GPT_OSS), (
+            np.asarray(layer["router"]).T, layer["router_bias"],
+            interleave(layer["w_gate"], layer["w_up"]), interleave(layer["b_gate"], layer["b_up"]),
+            layer["w_down"], layer["b_down"])))
     out = {at + "gate.weight": np.asarray(mlp["router"][j]).T}
     for e in range(_experts(m)):
         for ours, name in zip(("w_gate", "w_up", "w_down"), names):
@@ -234,7 +276,8 @@ def _expected(m, layout: str | None = None) -> dict[str, tuple[int, ...]]:
     shapes = {"in_heads": (m.num_heads * hd, d), "in_kv_heads": (m.num_kv_heads * hd, d),
               "out_heads": (d, m.num_heads * hd), "vector": (d,), "head_vector": (hd,),
               "q_vector": (m.num_heads * hd,), "kv_vector": (m.num_kv_heads * hd,),
-              "bias_heads": (m.num_heads * hd,), "bias_kv_heads": (m.num_kv_heads * hd,)}
+              "bias_heads": (m.num_heads * hd,), "bias_kv_heads": (m.num_kv_heads * hd,),
+              "heads_vector": (m.num_heads,)}
     mlp = {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
            "mlp.down_proj.weight": (d, f)}
     per_layer = {name: mlp[name] if kind == "t" else shapes[kind] for _, name, kind in _block(m)}

@@ -400,8 +400,9 @@ def test_export_picks_the_moe_architecture_and_reads_back_the_same(fields, kind)
     renormalized = m.moe.router == "topk_softmax" or m.moe.renormalize
     assert read["moe"] == {"num_experts": 8, "top_k": 2, "expert_dim": 32,
                            "router": "softmax_topk", "renormalize": renormalized,
-                           "router_bias": False, "aux_loss": 0.02, "z_loss": 0.0, "capacity": 0.0,
-                           "every": 1, "first_dense": 0, "dense_layers": ""}
+                           "router_bias": False, "expert_bias": False, "glu": "gated",
+                           "glu_limit": 7.0, "glu_alpha": 1.702, "aux_loss": 0.02, "z_loss": 0.0,
+                           "capacity": 0.0, "every": 1, "first_dense": 0, "dense_layers": ""}
     config_class = {"mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig,
                     "olmoe": OlmoeConfig}[kind]
     theirs = config_class(**out)

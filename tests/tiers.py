@@ -108,6 +108,8 @@ SLOW = {
         "generation, a program pair per family",
     "test_hf_moe.py::test_greedy_generation_gives_transformers_tokens":
         "generation, a program pair per family",
+    "test_hf_gpt_oss.py::test_greedy_generation_gives_transformers_tokens":
+        "generation with sinks, windows and gpt-oss's experts",
     "test_eval_passkey.py::test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_not":
         "600+ training steps",
     "test_state.py": "train steps on several meshes, microbatches, 12 bf16 steps",
