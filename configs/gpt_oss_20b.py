@@ -8,11 +8,14 @@ RoPE base 150,000 with YaRN (factor 32 of a 4,096-token pretraining context, unr
 131,072 tokens, the card's context. 20,914,757,184 parameters; a token reads 4,187,440,704
 (3,608,307,264 but the embedding table: the card's 3.6B active).
 
-Plan it first on this machine:
-  python scripts/plan.py --config configs/gpt_oss_20b.py --mesh sequence=8 --seq-len 131072 --batch 1 --hardware h100
-Run on 8 H100s in a ring of 8, from the released weights (scripts/convert_hf.py import reads
-their MXFP4 experts):
+Run on 8 H100s in a ring of 8 (the plan in docs/moe.md: 58.51 GiB a device, 73% of an H100, a
+1.51 s step at a 66.3% MFU bound in zigzag, remat full, the experts gathered; striped 1.73 s,
+contiguous 2.32 s: the 12 full layers decide it, though the sliding ones stop a contiguous ring
+after 2 rounds), from the released weights (scripts/convert_hf.py import reads their MXFP4
+experts):
   python train.py --config configs/gpt_oss_20b.py --config.mesh.sequence=8 --config.mesh.fsdp=-1 --config.data.batch_size=1 --config.attention.layout=zigzag --config.checkpoint.restore_from=<imported run> --config.checkpoint.restore_weights_only=True
+Plan it first on this machine (17 s here):
+  python scripts/plan.py --config configs/gpt_oss_20b.py --mesh sequence=8 --seq-len 131072 --batch 1 --hardware h100
 Shows: tokens/s and MFU on the active FLOPs (4 of 32 experts; the sliding layers' attention
 over 128 keys) per logged step, with the load-balancing loss.
 """

@@ -676,3 +676,40 @@ def test_a_plan_not_compiled_says_the_all_to_all_dispatch_is_estimated_as_the_ga
     assert not any("all-to-all" in n for n in notes(config))
     config.model.moe.dispatch = "all_to_all"
     assert any("estimated as dispatch=gather's" in n for n in notes(config))
+
+
+def test_gpt_oss_20b_plans_active_flops_and_its_sliding_layers_128_keys():
+    """gpt-oss-20b at 131,072 tokens on a ring of 8 H100s, not compiled (docs/moe.md has the
+    compiled plan): the FLOPs per token, the MFU bound's numerator and the matmul time count the
+    router and 4 of 32 experts, not all 32; attention counts 12 full causal layers and 12 of a
+    128-token window; the contiguous ring runs 2 of its 8 rounds on the sliding layers only."""
+    config = importlib.import_module("configs.gpt_oss_20b").get_config()
+    mesh, seq_len, hw = {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 131072, HARDWARE["h100"]
+    plan = make_plan(config, mesh, seq_len, 1, "h100", compile_program=False, impls=["ring"])
+    d, heads, kv_heads, hd, vocab = 2880, 64, 8, 64, 201088
+    layer = d * hd * (2 * heads + 2 * kv_heads) + d * 32 + 4 * 3 * d * 2880  # attention, router, 4 experts
+    active = 24 * layer + vocab * d  # + the head
+    assert active == 3_607_142_400 == flops.matmul_params(config.model)
+    assert plan["params"] == 20_914_757_184 and plan["active_params"] == 4_187_440_704
+    per_key = 3 * 4 * heads * hd  # QK^T and PV, forward and backward, per key a query sees
+    attention = per_key * (12 * seq_len / 2 + 12 * (128 - 128 ** 2 / (2 * seq_len)))
+    fpt = plan["flops_per_token"]
+    assert fpt["matmul"] == 6 * active
+    assert fpt["attention"] == pytest.approx(attention, rel=1e-12)
+    assert fpt["model"] == pytest.approx(6 * active + attention, rel=1e-12)  # 60.37 GFLOP
+    for layout, p in plan["layouts"].items():
+        assert p["mfu_bound"] == pytest.approx(
+            fpt["model"] * seq_len / (8 * hw.peak_flops * p["projected_step_s"]), rel=1e-12)
+        # remat full: the forward's 6N and the recomputed 2N, active weights only (fsdp=1)
+        assert p["dense_s"] == pytest.approx(8 * active * seq_len / 8 / hw.peak_flops, rel=1e-12)
+        kinds = {k["kind"]: k for k in p["kinds"]}
+        assert {k: v["layers"] for k, v in kinds.items()} == {"full": 12, "sliding (W=128)": 12}
+        assert kinds["full"]["rounds"] == 8
+        assert kinds["sliding (W=128)"]["rounds"] == (2 if layout == "contiguous" else 8)
+    # 16 tiles of 1,024 a device: each sees its own tile and the one before, the first the
+    # previous device's last (round 1): 31 + 1
+    sliding = {l: {k["kind"]: k for k in p["kinds"]}["sliding (W=128)"]
+               for l, p in plan["layouts"].items()}
+    assert sliding["contiguous"]["critical_path_tiles"] == 32
+    assert sliding["contiguous"]["layer_s"] < sliding["zigzag"]["layer_s"] < sliding["striped"]["layer_s"]
+    assert min(plan["layouts"], key=lambda l: plan["layouts"][l]["projected_step_s"]) == "zigzag"
