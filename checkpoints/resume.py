@@ -70,7 +70,7 @@ def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, ob
     if k.restore_weights_only:
         log(f"starting from the weights of step {got.step} ({got.path}): fresh optimizer, "
             f"step 0, data from the beginning")
-        return 0, trainer.init(config.train.seed).replace(params=got.params)
+        return 0, trainer.init_from(got.params)
     _restore_data(pipe, got.data, str(got.path))
     log(f"starting from step {got.step} of another run ({got.path}): weights, optimizer state "
         f"and data position")

@@ -36,6 +36,9 @@ OWN = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPI
 def test_compiled_program_checks_hold_under_xla_default_flags():
     env = {k: v for k, v in os.environ.items() if k not in OWN}
     env["STRIPEDJAX_DEFAULT_CODEGEN"] = "1"
+    # The checks need none of the installed pytest plugins, and hypothesis's alone imports
+    # hypothesis at startup (about 1 CPU s of this test's 35).
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *CHECKS],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr

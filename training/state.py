@@ -76,6 +76,12 @@ class Trainer:
         on_cpu = mesh.devices.flat[0].platform == "cpu"
         self.init = jax.jit(self._init, out_shardings=self.state_shardings,
                             compiler_options=INIT_COMPILE_CPU if on_cpu else None)
+        # The step-0 state around weights already placed (another run's: checkpoints/resume.py):
+        # what ``init`` gives them (AdamW's zero moments and counters read only their shapes),
+        # without compiling and running the initialiser for weights it would throw away. Donated:
+        # the state's params are the given buffers, not a copy beside them.
+        self.init_from = jax.jit(self.state_of, out_shardings=self.state_shardings,
+                                 donate_argnums=0)
         self.train_step = jax.jit(
             self._train_step, in_shardings=(self.state_shardings, self.batch_shardings),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
