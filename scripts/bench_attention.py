@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--stripe", type=int, default=1)
     p.add_argument("--window", type=int, default=0,
                    help="sliding window W (0: full causal): a query at p sees p - W < k <= p")
+    p.add_argument("--sinks", default="off", choices=("off", "on", "both"),
+                   help="attention sinks (gpt-oss: a logit per head, its gradient taken too); "
+                        "both: each layout timed with and without them, interleaved")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--mode", default="fwd+bwd", choices=("fwd+bwd", "fwd"))
     p.add_argument("--repeats", type=int, default=5)
@@ -82,9 +85,11 @@ def run(args):
     n = len(devices)
     mesh = jax.make_mesh((n,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     dtype = jnp.dtype(args.dtype)
-    keys = [(impl, layout) for impl in args.impls.split(",") if impl
-            for layout in args.layouts.split(",") if layout]
-    layouts = [layout if impl == "ring" else f"{impl} {layout}" for impl, layout in keys]
+    sinks_on = {"off": (False,), "on": (True,), "both": (False, True)}[args.sinks]
+    keys = [(impl, layout, sink) for impl in args.impls.split(",") if impl
+            for layout in args.layouts.split(",") if layout for sink in sinks_on]
+    layouts = [(layout if impl == "ring" else f"{impl} {layout}") + (" +sinks" if sink else "")
+               for impl, layout, sink in keys]
     b, length = args.batch, args.seq_len
     shapes = {"q": (b, length, args.heads, args.head_dim), "k": (b, length, args.kv_heads, args.head_dim)}
     sharding = NamedSharding(mesh, P(None, "sequence"))
@@ -98,14 +103,19 @@ def run(args):
         return jax.make_array_from_callback(shape, sharding, block)
 
     q, k, v, dout = make(shapes["q"], 0), make(shapes["k"], 1), make(shapes["k"], 2), make(shapes["q"], 3)
+    sinks_H = jax.device_put(np.random.default_rng(5).normal(0, 1, args.heads).astype(np.float32),
+                             NamedSharding(mesh, P()))
 
-    def step_fn(impl, layout):
-        def loss(q, k, v, dout):
+    def step_fn(impl, layout, sink):
+        def loss(q, k, v, dout, sinks_H):
             out = context_parallel_attention(q, k, v, mesh=mesh, layout=layout, stripe=args.stripe,
                                              block_q=args.block, block_kv=args.block, impl=impl,
-                                             ulysses=args.ulysses, window=args.window)
+                                             ulysses=args.ulysses, window=args.window,
+                                             sinks=sinks_H if sink else None)
             return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
-        return jax.jit(loss if args.mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2)))
+        wrt = (0, 1, 2, 4) if sink else (0, 1, 2)  # the sinks' gradient is part of their cost
+        fn = jax.jit(loss if args.mode == "fwd" else jax.grad(loss, argnums=wrt))
+        return lambda q, k, v, dout: fn(q, k, v, dout, sinks_H)
 
     # A tiny collective before each timed call lines the processes up, so a call's time is
     # not inflated by another process still finishing its previous call.
@@ -135,7 +145,7 @@ def run(args):
         return
     med = {layout: float(np.median(ts)) for layout, ts in times.items()}
     base = med.get("contiguous")
-    impl_of = dict(zip(layouts, (impl for impl, _ in keys)))
+    impl_of = dict(zip(layouts, (impl for impl, _, _ in keys)))
     rows = [{"layout": layout, "impl": impl_of[layout], "processes": max(args.processes, 1), "devices": n, "seq_len": length,
              "median_s": med[layout], "min_s": float(np.min(times[layout])),
              "speedup_vs_contiguous": (base / med[layout]) if base else None} for layout in layouts]
@@ -144,12 +154,22 @@ def run(args):
           f"{max(args.processes, 1)} process(es), batch {b}, seq_len {length}, heads {args.heads}/"
           f"{args.kv_heads}, head_dim {args.head_dim}, tile {args.block}, {args.dtype}"
           + (f", sliding window {args.window}" if args.window else "")
+          + (", attention sinks" if args.sinks == "on" else "")
           + f"; median of {args.repeats} (warm-up + compile {warm_s:.1f} s excluded)\n")
-    print("| layout | devices | seq_len | median s | min s | speedup vs contiguous |")
-    print("|---|---|---|---|---|---|")
+    both = args.sinks == "both"
+    for r in rows:  # a sinked row's time over the same layout's without sinks, measured alike
+        plain = r["layout"].removesuffix(" +sinks")
+        r["vs_without_sinks"] = med[r["layout"]] / med[plain] if both and plain != r["layout"] \
+            else None
+    print("| layout | devices | seq_len | median s | min s | speedup vs contiguous |"
+          + (" time vs without sinks |" if both else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if both else ""))
     for r in rows:
         sp = f"{r['speedup_vs_contiguous']:.2f}x" if r["speedup_vs_contiguous"] else "-"
-        print(f"| {r['layout']} | {n} | {length} | {r['median_s']:.3f} | {r['min_s']:.3f} | {sp} |")
+        extra = (f" {r['vs_without_sinks']:.3f} |" if r["vs_without_sinks"] else " - |") \
+            if both else ""
+        print(f"| {r['layout']} | {n} | {length} | {r['median_s']:.3f} | {r['min_s']:.3f} | {sp} |"
+              + extra)
     sys.stdout.flush()
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
