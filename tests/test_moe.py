@@ -1,8 +1,9 @@
 """model/moe.py: the router, the dispatch and the experts against a dense float64 reference
-(every expert on every token, weighted by the router), for both scorings and both grouped
-matmuls, ties and a capacity included; the load-balancing loss against transformers' own
-function; the same train step on one device, striped over 8 with the experts split over the
-ring, on zigzag usp over fsdp, and in 2 microbatches under the rule docs/moe.md states."""
+(every expert on every token, weighted by the router), for both scorings and every grouped
+matmul, ties, a capacity and gpt-oss's experts (biases, the clamped unit) included; the
+load-balancing loss against transformers' own function; gpt-oss's train step on one device,
+striped over 8 with the experts split over the ring, and on zigzag usp over fsdp and tensor
+with all-to-all, every gradient; 2 microbatches under the rule docs/moe.md states."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -331,33 +332,6 @@ def one_device():
     return c, params, natural, step_of(c, params, natural, jax.devices()[:1])
 
 
-MESHES = [  # (impl, layout, mesh, microbatches, dispatch)
-    ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, 1, "gather"),
-    ("usp", "zigzag", {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 1, "all_to_all"),
-]
-
-
-@pytest.mark.parametrize("impl,layout,mesh,microbatches,dispatch", MESHES,
-                         ids=[f"{i}-{lay}-{'x'.join(map(str, m.values()))}-mb{k}-{d}"
-                              for i, lay, m, k, d in MESHES])
-def test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp(one_device, impl, layout,
-                                                                    mesh, microbatches,
-                                                                    dispatch):
-    """Striped over a ring of 8 with the experts split over it (gathered to the tokens), and
-    zigzag usp over fsdp 2 x sequence 2 x tensor 2 with the experts split over fsdp x sequence,
-    each one's width over tensor, and the tokens sent to them by all-to-all: the loss (LM + aux
-    + z), the aux loss, the load and the gradient norm of one device, within fp32 noise."""
-    c, params, natural, (want_loss, want_metrics, want_norm, _) = one_device
-    cm = moe_config(mesh, impl, layout, microbatches, dispatch)
-    loss, metrics, norm, trainer = step_of(cm, params, natural, jax.devices()[:8])
-    spec = trainer.param_shardings["blocks"]["mlp"]["w_gate"].spec
-    assert spec[1] is not None  # the experts' axis is split over the devices
-    assert abs(loss - want_loss) < 1e-5 * want_loss
-    for key in ("aux_loss", "z_loss", "expert_load"):
-        assert abs(metrics[key] - want_metrics[key]) < 1e-5 * want_metrics[key], key
-    assert abs(norm - want_norm) < 1e-4 * want_norm
-
-
 def gpt_oss_config(mesh=None, impl="dense", layout="contiguous", dispatch="gather"):
     """moe_config with gpt-oss's blocks: sinks, biases on q, k, v and o, a 16-token window on
     layer 0 and full attention on layer 1, its router and experts (configs/llama.py
@@ -370,27 +344,48 @@ def gpt_oss_config(mesh=None, impl="dense", layout="contiguous", dispatch="gathe
     return c
 
 
-def test_gpt_oss_step_on_one_device_and_striped_with_its_experts_split(one_device):
-    """gpt-oss's blocks, every weight random (sinks and biases too): the step on one device and
-    striped over a ring of 4 x tensor 2, the experts split over the ring and sent their tokens
-    by all-to-all, each one's width (and its gate and up biases) over tensor: the loss, the
-    aux loss and every parameter's gradient, within fp32 noise."""
+@pytest.fixture(scope="module")
+def gpt_oss_one_device(one_device):
+    """gpt-oss's step on one device, every weight random (the sinks' and biases' larger, so
+    that each matters): (params, the batch, the step with its gradients)."""
     from parallel.mesh import make_mesh
     from training.state import Trainer
     _, _, natural, _ = one_device
     c = gpt_oss_config()
     shapes = jax.eval_shape(Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))._init, 0).params
-    rng = np.random.default_rng(11)  # the weights' scale, the sinks' and biases' larger
+    rng = np.random.default_rng(11)
     params = jax.tree.map(lambda p: rng.normal(0, 0.2 if p.ndim > 1 else 0.5, p.shape)
                           .astype(np.float32), shapes)
-    one = step_of(c, params, natural, jax.devices()[:1], leaves=True)
-    mesh = {"data": 1, "fsdp": 1, "sequence": 4, "tensor": 2}
-    got = step_of(gpt_oss_config(mesh, "ring", "striped", "all_to_all"), params, natural,
+    return params, natural, step_of(c, params, natural, jax.devices()[:1], leaves=True)
+
+
+MESHES = [  # (impl, layout, mesh, dispatch)
+    ("ring", "striped", {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}, "gather"),
+    ("usp", "zigzag", {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, "all_to_all"),
+]
+
+
+@pytest.mark.parametrize("impl,layout,mesh,dispatch", MESHES,
+                         ids=[f"{i}-{lay}-{'x'.join(map(str, m.values()))}-{d}"
+                              for i, lay, m, d in MESHES])
+def test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp(gpt_oss_one_device, impl,
+                                                                    layout, mesh, dispatch):
+    """gpt-oss's blocks (sinks, q/k/v/o biases, a window on layer 0, its router and experts with
+    biases and the clamped unit), every weight random, striped over a ring of 8 with the
+    experts split over it (gathered to the tokens), and zigzag usp over fsdp 2 x sequence 2 x
+    tensor 2 with the experts split over fsdp x sequence, each one's width (its gate and up
+    biases too) over tensor, and the tokens sent to them by all-to-all: the loss (LM + aux +
+    z), the aux loss, the load and every parameter's gradient of one device, within fp32
+    noise. (The plain SwiGLU experts and softmax-then-top-k router step on a mesh in the
+    per-sequence test below, and in test_sft's and test_preference's MoE steps.)"""
+    params, natural, one = gpt_oss_one_device
+    got = step_of(gpt_oss_config(mesh, impl, layout, dispatch), params, natural,
                   jax.devices()[:8], leaves=True)
+    spec = got[3].param_shardings["blocks"]["mlp"]["w_gate"].spec
+    assert spec[1] is not None  # the experts' axis is split over the devices
     assert abs(got[0] - one[0]) < 1e-5 * one[0]
-    assert abs(got[1]["aux_loss"] - one[1]["aux_loss"]) < 1e-5 * one[1]["aux_loss"]
-    spec = got[3].param_shardings["blocks"]["mlp"]["b_gate"].spec
-    assert spec[1] is not None and spec[2] is not None  # split by expert and by width
+    for key in ("aux_loss", "z_loss", "expert_load"):
+        assert abs(got[1][key] - one[1][key]) < 1e-5 * one[1][key], key
     flat = jax.tree_util.tree_flatten_with_path(one[4])[0]
     assert {jax.tree_util.keystr(k) for k, _ in flat} >= {
         "['blocks']['attn']['sinks']", "['blocks']['attn']['bo']", "['blocks']['mlp']['b_down']"}

@@ -114,11 +114,9 @@ SLOW = {
         "600+ training steps",
     "test_state.py": "train steps on several meshes, microbatches, 12 bf16 steps",
     "test_moe.py::test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp":
-        "an MoE's train step on one device and on three meshes of 8",
+        "gpt-oss's train step on one device and on two meshes of 8",
     "test_moe.py::test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens":
         "an MoE's train step in 2 microbatches",
-    "test_moe.py::test_gpt_oss_step_on_one_device_and_striped_with_its_experts_split":
-        "gpt-oss's train step on one device and on a mesh of 8 (its float64 checks: quick tier)",
     "test_moe.py::test_the_per_sequence_loss_is_the_steps_and_exact_over_8_devices_and_microbatches":
         "an MoE's train step on 8 devices and in microbatches (the float64 check: quick tier)",
     "test_preference.py::test_dpo_on_a_mixture_of_experts_starts_at_ln2_plus_the_policys_aux_terms_and_steps":
