@@ -21,11 +21,11 @@ from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
 from errors import ConversionError
 from hf import config as hf_config, mxfp4
 from hf.safetensors import Tensors, save
-from scripts import convert_hf
 
 from test_hf_convert import (ORIGINAL, assert_greedy_tokens_match, hf_logits, import_run,
                              our_logits, relative)
-from test_hf_moe import SHAPE, WINDOW, first_step, model_config, moe_model
+from test_hf_moe import (SHAPE, WINDOW, export_bit_for_bit, first_step, model_config,
+                         moe_model)
 
 D, F = SHAPE["hidden_size"], 32  # multiples of MXFP4's 32-value blocks
 
@@ -93,14 +93,8 @@ def test_export_loads_in_transformers_with_the_original_logits(family, rng, tmp_
     checkpoint's bit for bit, its config read by transformers to the same block, its logits the
     original's."""
     model, run, seed = family
-    assert convert_hf.main(["export", "--run", str(run.directory), "--out",
-                            str(tmp_path / "out")]) == 0
-    original, exported = Tensors(run.directory.parent / "hf"), Tensors(tmp_path / "out")
-    assert original.names() == exported.names(), seed
-    for name in original.names():
-        np.testing.assert_array_equal(original[name].view(np.uint8), exported[name].view(np.uint8))
-    theirs = GptOssForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
-    theirs = theirs.float().eval()
+    theirs = export_bit_for_bit(run, tmp_path / "out", seed)
+    assert type(theirs) is GptOssForCausalLM, seed
     for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "head_dim",
                 "sliding_window", "layer_types", "swiglu_limit", "swiglu_alpha",
                 "router_aux_loss_coef", "attention_bias", "tie_word_embeddings"):

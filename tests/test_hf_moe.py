@@ -207,20 +207,25 @@ def test_the_first_step_loss_with_padding_is_transformers_loss_with_router_logit
                                                                           float(out.loss), seed)
 
 
+def export_bit_for_bit(run, out, seed):
+    """Exports ``run`` to ``out``, checks its tensors are the imported checkpoint's bit for bit
+    under the same names, and returns transformers' model of the export (fp32, eager)."""
+    assert convert_hf.main(["export", "--run", str(run.directory), "--out", str(out)]) == 0
+    original, exported = Tensors(run.directory.parent / "hf"), Tensors(out)
+    assert original.names() == exported.names(), seed
+    for name in original.names():
+        np.testing.assert_array_equal(original[name].view(np.uint8), exported[name].view(np.uint8))
+    theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    return theirs.float().eval()
+
+
 def test_export_loads_in_transformers_with_the_original_logits(family, rng, tmp_path):
     """The export is the architecture imported with the released per-expert names (those
     transformers 5.23's save_pretrained writes), its tensors the checkpoint's bit for bit, its
     config read by transformers to the same experts, routing, window and aux loss weight, its
     logits the original's within 1e-5."""
     case, model, run, seed = family
-    assert convert_hf.main(["export", "--run", str(run.directory), "--out",
-                            str(tmp_path / "out")]) == 0
-    original, exported = Tensors(run.directory.parent / "hf"), Tensors(tmp_path / "out")
-    assert original.names() == exported.names(), seed
-    for name in original.names():
-        np.testing.assert_array_equal(original[name].view(np.uint8), exported[name].view(np.uint8))
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
-    theirs = theirs.float().eval()
+    theirs = export_bit_for_bit(run, tmp_path / "out", seed)
     assert type(theirs) is ARCH[case], seed
     for key in ("num_local_experts", "num_experts_per_tok", "norm_topk_prob",
                 "moe_intermediate_size", "intermediate_size", "sliding_window",
