@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # How fast this machine is, for reading the test suite's times (docs/tests.md): the README's
-# first training command at the tiny sizes tests/test_readme_commands.py gives it, run four times
+# first training command at the tiny sizes tests/test_readme_commands.py gave it until 2026-12-07
+# (512 tokens, batch 8: kept, so that every yardstick quoted reads alike), run four times
 # on one fresh JAX compilation cache; the median of the last three is printed (cache hits:
 # imports, tracing, two steps, an evaluation and a checkpoint; no XLA compile).
 # Usage: bash scripts/yardstick.sh [PYTHON]

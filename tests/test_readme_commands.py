@@ -7,7 +7,8 @@ Run as a new user would on a CPU: a subprocess from the repository root, without
 or a device count (conftest.user_process_env: the commands simulate their own devices),
 checking the exit code and the output. The commands of a script that keeps no state between
 runs (SHARED: the planner without compiling, the schedule model, the corpus writer, the GPU
-compile report) share one such process, each run as the script's __main__."""
+compile report, the Hugging Face converter) share one such process, each run as the script's
+__main__."""
 import pathlib
 import re
 import shlex
@@ -143,9 +144,11 @@ RUN = [e for e in listed_commands() if "skip" not in e]
 # Scripts whose printed commands share one process: tests/run_commands.py runs them in order,
 # each as __main__ with its own sys.argv, as the user's shell would less the interpreter's
 # start-up. They keep no state from one run to the next and size no devices (plan.py does when
-# it compiles: its compiling commands keep a process of their own).
+# it compiles: its compiling commands keep a process of their own). convert_hf.py's export of
+# the demo run and the import of that export run in this order, in one process (JAX on its
+# one CPU device, started once).
 SHARED = ("scripts/plan.py", "scripts/schedule.py", "scripts/make_passkey_corpus.py",
-          "scripts/gpu_compile.py")
+          "scripts/gpu_compile.py", "scripts/convert_hf.py")
 
 
 def argv_of(entry, tmp) -> list[str]:

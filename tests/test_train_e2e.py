@@ -22,6 +22,7 @@ def run_train(workdir, *overrides, devices=8):
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
            "--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_batches=1",
            "--config.data.max_docs=120", "--config.model.vocab_size=512",
+           "--config.data.batch_size=2", "--config.data.seq_len=256",
            f"--config.data.cache_dir={workdir.parent / 'cache'}", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
