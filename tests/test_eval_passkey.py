@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import trained_run as tr
-from conftest import FULL_CODEGEN
+from conftest import RUN_CODEGEN
 from helpers import initial_params, initial_state
 from data import passkey
 
@@ -196,7 +196,9 @@ def test_a_model_trained_on_passkeys_retrieves_them_and_an_untrained_one_does_no
     # 250 in the seeds tried): train until a held-aside check of 80 keys sees 30% of them,
     # then score 80 fresh keys. Stopping on a lucky check and then missing 10% of the fresh
     # keys has odds under 1.2e-4 a check, whatever the model's true accuracy.
-    step = trainer.train_step.lower(state, batch()).compile(compiler_options=FULL_CODEGEN)
+    # (conftest's RUN_CODEGEN: code generation only, the same computation up to rounding; the
+    # trained accuracy over seeds 1-6 was 0.29-0.63 against the 0.1 asserted)
+    step = trainer.train_step.lower(state, batch()).compile(compiler_options=RUN_CODEGEN)
     done = 0
     while done < steps:
         for _ in range(50):

@@ -564,8 +564,10 @@ def test_sft_on_a_mixture_of_experts_adds_its_aux_terms_to_the_first_steps_loss(
     trainer = Trainer(c, mesh)
     params = fresh_state(trainer).params
     batch = pipe.device_batch(0)
-    loss, _, metrics = jax.device_get(jax.jit(trainer.loss_and_sums)(params, batch))
-    logits, stats = jax.device_get(jax.jit(parts, static_argnums=0)(trainer, params, batch))
+    # the trainer's loss and the model's own forward side by side in one program (one compile,
+    # not two: each is its own computation there, as each was in a program of its own)
+    (loss, _, metrics), (logits, stats) = jax.device_get(jax.jit(
+        lambda p, b: (trainer.loss_and_sums(p, b), parts(trainer, p, b)))(params, batch))
     host = jax.device_get(batch)
     logits = np.asarray(logits, np.float64)
     logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
