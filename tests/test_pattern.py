@@ -47,11 +47,16 @@ def family_config(**fields):
     return c
 
 
+def abstract_model(config, backend=AttentionBackend()):
+    """``config``'s decoder with shapes for weights (nothing drawn, placed or compiled): enough
+    to trace it (make_jaxpr) or to call it where it stops before reading a weight."""
+    return nnx.eval_shape(lambda: Decoder(config.model, backend, nnx.Rngs(0)))
+
+
 def random_model(rng, config, backend=AttentionBackend(), weights_of=None):
     """``config``'s decoder with random weights: norms' w too (they start at 0 or 1 and
     would hide a mistake), or the weights of the model ``weights_of``."""
-    abstract = nnx.eval_shape(lambda: Decoder(config.model, backend, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(abstract_model(config, backend))
     if weights_of is not None:
         return nnx.merge(graphdef, nnx.split(weights_of)[1])
 
@@ -224,7 +229,7 @@ def test_mixed_stack_in_every_layout_strategy_and_kernel(layout, impl, sequence,
 
 def _layer_scans(model, rows, rng):
     """[(scan length, the jaxprs of the branches of the switch in its body, if any)] of the
-    forward's top-level scans."""
+    forward's top-level scans (traced only: ``model`` may be an abstract_model)."""
     graphdef, state = nnx.split(model)
     tok, pos, seg = batch(rng, rows)
     jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tok, pos, seg))(state).jaxpr
@@ -256,7 +261,7 @@ def test_local_layers_stop_the_contiguous_ring_early(rng):
     its own ring."""
     c = family_config()
     mesh = make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
-    model = random_model(rng, c, AttentionBackend(impl="ring", layout="contiguous", mesh=mesh))
+    model = abstract_model(c, AttentionBackend(impl="ring", layout="contiguous", mesh=mesh))
     [(length, branches)] = _layer_scans(model, 2, rng)
     kinds = pattern.kinds(c.model)
     distinct = list(dict.fromkeys(kinds))  # the switch's branches, in order
@@ -271,7 +276,7 @@ def test_the_stack_is_one_scan_over_its_layers(rng):
     """5 layers of period 2, 5 of period 3 and Gemma-3-1B's 26 layers (4 x 6 + 2): one scan
     over every layer, each step switching to its layer's kind (a branch per kind); a model
     whose layers are alike scans one layer a step with no switch, as before the pattern."""
-    scans = lambda c: [(n, len(b)) for n, b in _layer_scans(random_model(rng, c), 1, rng)]
+    scans = lambda c: [(n, len(b)) for n, b in _layer_scans(abstract_model(c), 1, rng)]
     assert scans(family_config()) == [(5, 2)]
     assert scans(family_config(layer_types="")) == [(5, 0)]
     assert scans(family_config(layer_types=pattern.repeat("full,sliding_nope,full_nope", 5))) \
@@ -387,7 +392,9 @@ def test_a_layer_runs_only_with_its_kind(rng):
     seg = jnp.zeros((1, L), jnp.int32)
     graphdef, stacked = nnx.split(random_model(rng, c).blocks)
     one = nnx.merge(graphdef, jax.tree.map(lambda t: t[1], stacked))  # layer 1: a full one
-    attention = Attention(m, AttentionBackend(), jnp.float32, nnx.Rngs(0))
+    # shapes for weights: the call stops at its arguments, before any weight is read
+    attention = nnx.eval_shape(lambda: Attention(m, AttentionBackend(), jnp.float32,
+                                                 nnx.Rngs(0)))
     for call in (lambda: one(x, pos, seg), lambda: one.attend(x, pos, seg),
                  lambda: attention(x, pos, seg), lambda: attention.attend(x, pos, seg)):
         with pytest.raises(TypeError, match="kind"):
