@@ -121,6 +121,10 @@ def grouped_matmul(x_ND, w_EDF, sizes_E, impl: str, sparse: bool = False):
 GLUS = ("gated", "clamped")  # model.moe.glu
 
 
+def silu_unit(gate, up):
+    return jax.nn.silu(gate) * up
+
+
 def gated_unit(e, activation=jax.nn.silu):
     """``unit(gate, up)``: the experts' hidden activations from their gate and up projections
     (``model.moe.glu``). gated: ``activation(gate) * up``. clamped (gpt-oss's): the gate
@@ -134,10 +138,6 @@ def gated_unit(e, activation=jax.nn.silu):
         gate = jnp.minimum(gate, limit)
         return (jnp.clip(up, -limit, limit) + 1) * (gate * jax.nn.sigmoid(alpha * gate))
     return clamped
-
-
-def silu_unit(gate, up):
-    return jax.nn.silu(gate) * up
 
 
 def expert_rows(xs_ND, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, biases, grouped,
@@ -163,13 +163,10 @@ def expert_rows(xs_ND, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, biases, groupe
 
 
 def experts_forward(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                    impl: str = "blocks", activation=jax.nn.silu, capacity: int = 0,
-                    biases=None, unit=None):
+                    impl: str = "blocks", capacity: int = 0, biases=None, unit=silu_unit):
     """(output [T, D], dropped picks): each token's k experts' gated MLPs, weighted. The pairs
     run sorted by expert; ``capacity`` > 0 keeps each expert's first ``capacity`` pairs.
-    ``unit(gate, up)`` (``gated_unit``; None: ``activation(gate) * up``) and ``biases`` as
-    ``expert_rows`` takes them."""
-    unit = unit or (lambda gate, up: activation(gate) * up)
+    ``unit(gate, up)`` (``gated_unit``) and ``biases`` as ``expert_rows`` takes them."""
     T, K = experts_TK.shape
     E = w_gate_EDF.shape[0]
     if impl == "dense":  # every expert on every token, the unpicked ones weighted 0

@@ -98,15 +98,14 @@ def plan(counts_PE, me, buffer: int):
 def experts_all_to_all(x_TD, weights_TK, experts_TK, w_gate_eDF, w_up_eDF, w_down_eFD, *,
                        axis_name, num_experts: int, grouped, exchange: str,
                        receive_buffer: float = 0.0, capacity: int = 0,
-                       activation=jax.nn.silu, rows=None):
+                       rows=None):
     """(output [T, D], dropped pairs): ``model/moe.py experts_forward`` for a device holding
     experts ``[me E/P, (me + 1) E/P)`` (``w_*_e..``, ``e = E / P``) of the expert-parallel group
     ``axis_name`` (``P`` devices): its pairs sent to their experts' devices and back.
     ``grouped(x, w, sizes)`` is the grouped matmul; ``exchange`` one of ``EXCHANGES``;
     ``capacity`` > 0 keeps each expert's first ``capacity`` of this device's pairs. ``rows(xs,
     sizes)``, when given, is the local experts' MLP on rows sorted by expert (model/moe.py
-    ``expert_rows``: gpt-oss's biases and clamped unit); else ``activation``'s SwiGLU by
-    ``grouped``."""
+    ``expert_rows``: gpt-oss's biases and clamped unit); else SwiGLU by ``grouped``."""
     T, K = experts_TK.shape
     N, E = T * K, num_experts
     P = E // w_gate_eDF.shape[0]
@@ -147,7 +146,7 @@ def experts_all_to_all(x_TD, weights_TK, experts_TK, w_gate_eDF, w_up_eDF, w_dow
     sizes_e = kept_Pe.sum(0).astype(jnp.int32)
     xs_MD = recv_MD[by_expert_M]
     if rows is None:
-        h_MF = (activation(grouped(xs_MD, w_gate_eDF, sizes_e))
+        h_MF = (jax.nn.silu(grouped(xs_MD, w_gate_eDF, sizes_e))
                 * grouped(xs_MD, w_up_eDF, sizes_e))
         out_MD = grouped(h_MF, w_down_eFD, sizes_e)
     else:

@@ -333,14 +333,15 @@ def one_device():
 
 
 def gpt_oss_config(mesh=None, impl="dense", layout="contiguous", dispatch="gather"):
-    """moe_config with gpt-oss's blocks: sinks, biases on q, k, v and o, a 16-token window on
-    layer 0 and full attention on layer 1, its router and experts (configs/llama.py
-    gpt_oss_layers)."""
+    """moe_config with gpt-oss's blocks (configs/llama.py gpt_oss_layers, as
+    configs/gpt_oss_20b.py has them): sinks, biases on q, k, v and o, a 16-token window on
+    layer 0 and full attention on layer 1, its router and experts; the z-loss kept on."""
+    from configs.llama import gpt_oss_layers
     c = moe_config(mesh, impl, layout, 1, dispatch)
-    c.model.update(attention_sinks=True, qkv_bias=True, o_bias=True, sliding_window=16,
-                   layer_types="sliding,full")
-    c.model.moe.update(router="topk_softmax", renormalize=False, router_bias=True,
-                       expert_bias=True, glu="clamped", glu_limit=7.0, glu_alpha=1.702)
+    e = c.model.moe
+    c = gpt_oss_layers(c, experts=e.num_experts, top_k=e.top_k, expert_dim=e.expert_dim,
+                       window=16, aux_loss=e.aux_loss)
+    c.model.moe.z_loss = 0.01
     return c
 
 
