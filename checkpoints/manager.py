@@ -225,6 +225,26 @@ class Checkpoints:
 
         return self._newest(load, abstract_params, step, check)
 
+    def holds_adapters(self, step: int | None = None) -> bool:
+        """Whether the parameters of ``step`` (the newest by default) hold LoRA adapters
+        (model/lora.py: a key ``lora_*``), read from the tree's metadata alone."""
+        steps = self.steps()
+        if not steps:
+            return False
+        try:
+            tree = self._meta(steps[-1] if step is None else step)[1]
+        except Exception:  # unreadable: the restore that follows says why
+            return False
+        found = []
+
+        def visit(node):
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    found.append(str(k).startswith("lora_"))
+                    visit(v)
+        visit(tree.get("params") if isinstance(tree, dict) else None)
+        return any(found)
+
     def _meta(self, step: int) -> tuple[dict, Any]:
         """(run metadata, stored tree metadata of the state item) of one step."""
         meta = {}

@@ -10,6 +10,7 @@ import json
 from checkpoints.compat import checker
 from checkpoints.manager import Checkpoints, locate
 from errors import CheckpointError, DataError
+from model import lora
 
 
 def run_meta(config, fingerprint: str, mesh) -> dict:
@@ -58,9 +59,22 @@ def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, ob
 
     directory, step = locate(k.restore_from)
     other = Checkpoints(directory, log=log)
+    fresh_adapters = False
     try:
         if k.restore_weights_only:
-            got = other.restore_params(trainer.abstract_state.params, step=step, check=fits)
+            abstract = trainer.abstract_state.params
+            held = other.holds_adapters(step)
+            if held and trainer.lora is None:
+                raise CheckpointError(
+                    f"checkpoint.restore_from={k.restore_from} holds LoRA adapters and this run "
+                    f"has none (train.lora.rank=0): give it the same train.lora, or merge them "
+                    f"first (scripts/convert_hf.py export --merge, then import)")
+            # a base model's weights under new adapters (model/lora.py: B zero, the base's
+            # function), or a LoRA run's weights with its adapters
+            fresh_adapters = trainer.lora is not None and not held
+            if fresh_adapters:
+                abstract = lora.without_adapters(abstract)
+            got = other.restore_params(abstract, step=step, check=fits)
         else:
             got = other.restore(trainer.abstract_state, step=step, check=check)
     finally:
@@ -70,7 +84,12 @@ def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, ob
     if k.restore_weights_only:
         log(f"starting from the weights of step {got.step} ({got.path}): fresh optimizer, "
             f"step 0, data from the beginning")
-        return 0, trainer.init_from(got.params)
+        params = got.params
+        if fresh_adapters:
+            params = lora.join(params, trainer.fresh_adapters(config.train.seed))
+            log(f"LoRA: new adapters of rank {trainer.lora.rank} on "
+                f"{', '.join(trainer.lora.targets)} (B zero: step 0 is these weights' model)")
+        return 0, trainer.init_from(params)
     _restore_data(pipe, got.data, str(got.path))
     log(f"starting from step {got.step} of another run ({got.path}): weights, optimizer state "
         f"and data position")

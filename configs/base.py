@@ -237,6 +237,24 @@ def get_config() -> ml_collections.ConfigDict:
     # restore it, skip the batches up to the bad step and go on (training/divergence.py).
     t.on_nonfinite = "stop"  # stop | rollback
     t.max_rollbacks = 3  # rollback: at most this many per run (resumes included), then stop
+    # LoRA (model/lora.py, docs/sft.md): a low-rank scale * (x @ A) @ B beside each targeted
+    # projection, A random and B zero (step 0 is the base), as PEFT starts them; only the
+    # adapters and modules_to_save train (gradients and optimizer state for them alone), the
+    # rest is frozen. scripts/convert_hf.py export --adapter writes PEFT's format, --merge
+    # merged weights; import --adapter reads a PEFT adapter onto a run.
+    t.lora = lo = ml_collections.ConfigDict()
+    lo.rank = 0  # r; 0: no adapters, every weight trains
+    lo.alpha = 16.0  # the adapters' scale is alpha / rank (PEFT's lora_alpha)
+    lo.rslora = False  # scale by alpha / sqrt(rank) instead (rank-stabilised LoRA)
+    lo.dropout = 0.0  # on the adapters' input (PEFT's lora_dropout); only 0 is built so far
+    # PEFT's module names, comma-separated: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
+    # down_proj, or all-linear (every one of them)
+    lo.targets = "all-linear"
+    # what trains in full beside the adapters (LongLoRA: embeddings and norms for context
+    # extension): embed_tokens, lm_head (with tied embeddings, both are the one table), norm
+    # (every RMSNorm); comma-separated, "" = none
+    lo.modules_to_save = ""
+    lo.base_dtype = "float32"  # float32 | bfloat16: how the frozen base is held (adapters fp32)
 
     # Preference tuning (data.format=preference; model/preference.py, as TRL's DPOTrainer):
     # the loss of each packed chosen/rejected pair against the starting model's log-probs.

@@ -4,7 +4,7 @@ from __future__ import annotations
 from data.files import POLICIES as BAD_RECORDS
 from data.mixture import check_fields as check_long_context_data
 from errors import ConfigError, DataError, LayoutError, MeshError
-from model import pattern, rope
+from model import lora, pattern, rope
 from model.weights import ACTIVATIONS
 from model.decoder import DTYPES, REMAT
 from parallel import kernels, strategies
@@ -150,6 +150,7 @@ def validate(config, num_devices: int, platform: str | None = None) -> dict[str,
     _need(t.on_nonfinite in ON_NONFINITE,
           f"train.on_nonfinite={t.on_nonfinite!r} is not one of {', '.join(ON_NONFINITE)}")
     _need(t.max_rollbacks >= 0, f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
+    lora.check(config)
     _need(k.every >= 0 and k.keep >= 1,
           f"checkpoint.every={k.every} must be >= 0 and checkpoint.keep={k.keep} >= 1")
     check_timeouts(config.distributed)

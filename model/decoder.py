@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from model import lora as lora_lib
 from model import pattern
 from model.flops import moe_layers, num_experts
 from model.layers import AttentionBackend, Block, GatedMLP, _param, norm_from_config
@@ -18,6 +19,7 @@ from parallel.mesh import BATCH_AXES
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT = ("none", "attention", "full", "offload", "offload_input")
+LORA_KEY = 0x10A  # folded into a layer's key for its adapters' own random stream
 
 
 def compute_dtype(name: str):
@@ -56,8 +58,14 @@ def remat_policy(name: str, platform: str | None = None):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, m, backend: AttentionBackend, rngs: nnx.Rngs):
+    def __init__(self, m, backend: AttentionBackend, rngs: nnx.Rngs,
+                 lora: lora_lib.Spec | None = None):
+        """``lora``: LoRA adapters on the projections it targets (model/lora.py ``spec_of``
+        the run's config; None: none). Each layer's adapters draw from a key folded from the
+        layer's own, so the base weights are the same with or without them."""
         dtype = compute_dtype(m.dtype)
+        adapters = lambda k: (dict(lora=lora, lora_rngs=nnx.Rngs(jax.random.fold_in(k, LORA_KEY)))
+                              if lora is not None else {})
         tied = bool(m.get("tie_embeddings", False))
         # A tied table is also the output head, so it starts at the head's scale.
         self.embed = _param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"),
@@ -73,7 +81,8 @@ class Decoder(nnx.Module):
         mixed = 0 < len(moe_at) < m.num_layers
         # One Block's structure, parameters stacked over layers so that lax.scan can run them:
         # compile time stays flat in depth.
-        self.blocks = nnx.vmap(lambda k: Block(m, backend, dtype, nnx.Rngs(k), mlp=not mixed))(keys)
+        self.blocks = nnx.vmap(lambda k: Block(m, backend, dtype, nnx.Rngs(k), mlp=not mixed,
+                                               **adapters(k)))(keys)
         # each layer's index in the moe and dense stacks (the other kind's: any in range)
         self.mlp_index: tuple[tuple[int, int], ...] = ()
         if not mixed:
@@ -82,7 +91,7 @@ class Decoder(nnx.Module):
             dense_at = [i for i in range(m.num_layers) if i not in moe_at]
             self.moe_mlp = nnx.vmap(lambda k: MoE(m, dtype, nnx.Rngs(k), backend.mesh))(
                 jax.random.split(rngs.params(), len(moe_at)))
-            self.dense_mlp = nnx.vmap(lambda k: GatedMLP(m, dtype, nnx.Rngs(k)))(
+            self.dense_mlp = nnx.vmap(lambda k: GatedMLP(m, dtype, nnx.Rngs(k), **adapters(k)))(
                 jax.random.split(rngs.params(), len(dense_at)))
             self.mlp_index = tuple(
                 (min(sum(j < i for j in moe_at), len(moe_at) - 1),
@@ -300,7 +309,8 @@ def single_device_model(config):
     parameters depend on neither the mesh nor the layout, so a run's checkpoint restores into
     them on one device (scripts/generate.py, the Hugging Face export)."""
     from jax.sharding import SingleDeviceSharding
-    abstract = nnx.eval_shape(lambda: Decoder(config.model, AttentionBackend(), nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(config.model, AttentionBackend(), nnx.Rngs(0),
+                                              lora_lib.spec_of(config)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     on_device = SingleDeviceSharding(jax.devices()[0])
     return graphdef, jax.tree.map(

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from model import lora as lora_lib
 from model.moe import MoE, experts_of
 from model.pattern import LayerKind
 from model.rope import Rope
@@ -111,7 +112,10 @@ def _single_device_mesh():
 
 
 class Attention(nnx.Module):
-    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
+    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs,
+                 lora: lora_lib.Spec | None = None, lora_rngs: nnx.Rngs | None = None):
+        """``lora``: the adapters of ``train.lora`` (model/lora.py) on the projections it
+        targets, drawn from ``lora_rngs``."""
         d, hd = m.d_model, m.head_dim or m.d_model // m.num_heads
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
         self.wq = _param(rngs, (d, m.num_heads, hd), ("embed", "heads", "head_dim"), std)
@@ -146,9 +150,19 @@ class Attention(nnx.Module):
         # No window or RoPE here: each call names its layer's kind (model/pattern.py), so a
         # caller cannot run a Gemma layer under the model's one window and global RoPE.
         self.backend, self.dtype = backend, dtype
+        # each adapter's (input shape, its axes, output shape, its axes): its projection's
+        embed, q = ((d,), ("embed",)), ((m.num_heads, hd), ("heads", "head_dim"))
+        kv = ((m.num_kv_heads, hd), ("kv_heads", "head_dim"))
+        shapes = {"wq": (*embed, *q), "wk": (*embed, *kv), "wv": (*embed, *kv), "wo": (*q, *embed)}
+        for weight, name in (("wq", "lora_q"), ("wk", "lora_k"), ("wv", "lora_v"),
+                             ("wo", "lora_o")):
+            if lora is not None and lora.adapts(weight):
+                setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes[weight], lora))
 
-    def _project(self, x_BLD, w_DHK, b_HK):
+    def _project(self, x_BLD, w_DHK, b_HK, adapter=None):
         y_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK[...].astype(self.dtype))
+        if adapter is not None:
+            y_BLHK = y_BLHK + adapter(x_BLD, self.dtype)
         return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, *, kind: LayerKind):
@@ -167,6 +181,8 @@ class Attention(nnx.Module):
             o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD, sinks_H)
         out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype),
                              self.wo[...].astype(self.dtype))
+        if (adapter := lora_lib.adapter(self, "lora_o")) is not None:
+            out_BLD = out_BLD + adapter(o_BLHD.astype(self.dtype), self.dtype)
         if self.bo is not None:
             out_BLD = out_BLD + self.bo[...].astype(self.dtype)
         return out_BLD, (k_BLKD, v_BLKD)
@@ -174,8 +190,9 @@ class Attention(nnx.Module):
     def qkv(self, x_BLD, positions_BL, rope: Rope | None):
         """Queries, keys (both rotated to their positions by ``rope``; None: a NoPE layer)
         and values."""
-        q_BLHD = self._project(x_BLD, self.wq, self.bq)  # bias before the norm and RoPE
-        k_BLKD = self._project(x_BLD, self.wk, self.bk)
+        ad = functools.partial(lora_lib.adapter, self)
+        q_BLHD = self._project(x_BLD, self.wq, self.bq, ad("lora_q"))  # bias before norm, RoPE
+        k_BLKD = self._project(x_BLD, self.wk, self.bk, ad("lora_k"))
         if self.q_norm is not None and self.qk_whole:
             q_BLHD = self.q_norm(q_BLHD.reshape(*q_BLHD.shape[:2], -1)).reshape(q_BLHD.shape)
             k_BLKD = self.k_norm(k_BLKD.reshape(*k_BLKD.shape[:2], -1)).reshape(k_BLKD.shape)
@@ -185,7 +202,7 @@ class Attention(nnx.Module):
             q_BLHD, k_BLKD = rope(q_BLHD, positions_BL), rope(k_BLKD, positions_BL)
         if self.q_scale is not None:
             q_BLHD = q_BLHD * jnp.asarray(self.q_scale, q_BLHD.dtype)
-        return q_BLHD, k_BLKD, self._project(x_BLD, self.wv, self.bv)
+        return q_BLHD, k_BLKD, self._project(x_BLD, self.wv, self.bv, ad("lora_v"))
 
 
 class GatedMLP(nnx.Module):
@@ -193,20 +210,47 @@ class GatedMLP(nnx.Module):
     SwiGLU; gelu_tanh: Gemma's GeGLU). A block holds it as ``mlp``: its weights' paths
     (blocks/mlp/w_gate, w_up, w_down) are what checkpoints keep."""
 
-    def __init__(self, m, dtype, rngs: nnx.Rngs):
+    def __init__(self, m, dtype, rngs: nnx.Rngs, lora: lora_lib.Spec | None = None,
+                 lora_rngs: nnx.Rngs | None = None):
         std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
         self.w_gate = _param(rngs, (m.d_model, m.ffn_dim), ("embed", "mlp"), std)
         self.w_up = _param(rngs, (m.d_model, m.ffn_dim), ("embed", "mlp"), std)
         self.w_down = _param(rngs, (m.ffn_dim, m.d_model), ("mlp", "embed"), out_std)
         self.dtype, self.activation = dtype, str(m.get("mlp_activation", "silu"))
+        into, out_of = ((m.d_model,), ("embed",)), ((m.ffn_dim,), ("mlp",))
+        for weight, name, shapes in (("w_gate", "lora_gate", (*into, *out_of)),
+                                     ("w_up", "lora_up", (*into, *out_of)),
+                                     ("w_down", "lora_down", (*out_of, *into))):
+            if lora is not None and lora.adapts(weight):
+                setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes, lora))
 
     def __call__(self, x_BLD):
         c = lambda p: p[...].astype(self.dtype)
-        return gated_mlp(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down), self.activation)
+        return gated_mlp(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down), self.activation,
+                         self.adapters(c))
+
+    def adapters(self, cast) -> tuple | None:
+        """((a, b) of the gate's, the up's and the down's adapter, each None where it has
+        none; the scale), ``cast`` applied to each weight; None without adapters."""
+        pairs = [lora_lib.adapter(self, n) for n in ("lora_gate", "lora_up", "lora_down")]
+        if not any(p is not None for p in pairs):
+            return None
+        scale = next(p.scale for p in pairs if p is not None)
+        return tuple(None if p is None else (cast(p.a), cast(p.b)) for p in pairs), scale
 
 
-def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu"):
-    return (ACTIVATIONS[activation](x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
+def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", adapters=None):
+    """``adapters``: ``GatedMLP.adapters``' (pairs, scale), or None."""
+    if adapters is None:
+        return (ACTIVATIONS[activation](x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
+    (gate, up, down), scale = adapters
+
+    def project(x, w, pair):
+        y = x @ w
+        return y if pair is None else y + lora_lib.delta(x, *pair, scale)
+
+    h = ACTIVATIONS[activation](project(x_BLD, w_gate_DF, gate)) * project(x_BLD, w_up_DF, up)
+    return project(h, w_down_FD, down)
 
 
 class Block(nnx.Module):
@@ -214,16 +258,18 @@ class Block(nnx.Module):
     ``model.sandwich_norms`` (Gemma) each branch's output is normed too before it is added:
     x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
-    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs, mlp: bool = True):
+    def __init__(self, m, backend: AttentionBackend, dtype, rngs: nnx.Rngs, mlp: bool = True,
+                 lora: lora_lib.Spec | None = None, lora_rngs: nnx.Rngs | None = None):
         """``mlp`` False: the MLP slot is left empty, its weights held apart (a model whose
-        layers' MLPs differ: model/decoder.py) and given to the layer's block by ``holding``."""
+        layers' MLPs differ: model/decoder.py) and given to the layer's block by ``holding``.
+        ``lora``: adapters on the projections it targets (model/lora.py), from ``lora_rngs``."""
         self.attn_norm = norm_from_config(m)
-        self.attn = Attention(m, backend, dtype, rngs)
+        self.attn = Attention(m, backend, dtype, rngs, lora, lora_rngs)
         self.mlp_norm = norm_from_config(m)
         # the MLP slot holds a mixture of experts (model/moe.py)
         self.moe = mlp and experts_of(m) > 0
         self.mlp = (None if not mlp else MoE(m, dtype, rngs, backend.mesh) if self.moe
-                    else GatedMLP(m, dtype, rngs))
+                    else GatedMLP(m, dtype, rngs, lora, lora_rngs))
         if m.get("sandwich_norms", False):
             self.attn_post_norm, self.mlp_post_norm = norm_from_config(m), norm_from_config(m)
         else:
@@ -276,10 +322,17 @@ class Block(nnx.Module):
         c = lambda p: cast_before_gather(p[...], dtype)
         weights = (self.mlp_norm.weight(), c(self.mlp.w_gate), c(self.mlp.w_up), c(self.mlp.w_down))
         specs = (P(), P(None, "tensor"), P(None, "tensor"), P("tensor", None))
+        adapters = self.mlp.adapters(c)
+        if adapters is not None:  # A along its input's split, B along its output's
+            pairs, lora_scale = adapters
+            weights += (pairs,)
+            specs += (tuple(None if p is None else s for p, s in zip(pairs, (
+                (P(), P(None, "tensor")), (P(), P(None, "tensor")), (P("tensor", None), P())))),)
 
         def mlp(w, x_BcD, axis):
-            scale, w_gate, w_up, w_down = w
-            y_BcD = gated_mlp(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act)
+            scale, w_gate, w_up, w_down = w[:4]
+            ad = None if adapters is None else (w[4], lora_scale)
+            y_BcD = gated_mlp(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act, ad)
             return jax.lax.psum(y_BcD, axis) if axis else y_BcD  # partial over ffn_dim / tensor
 
         # the post-norm needs the whole of D after the psum: it runs outside the chunks

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from model import lora as lora_lib
 from model.decoder import Decoder, backend_from_config
 from parallel.mesh import batch_sharding, param_shardings
 
@@ -21,7 +22,9 @@ class ShardedModel:
     def __init__(self, config, mesh):
         self.config, self.mesh = config, mesh
         self.backend = backend_from_config(config, mesh)
-        abstract_model = nnx.eval_shape(lambda: Decoder(config.model, self.backend, nnx.Rngs(0)))
+        self.lora = lora_lib.spec_of(config)  # LoRA adapters (model/lora.py), or None
+        abstract_model = nnx.eval_shape(lambda: Decoder(config.model, self.backend, nnx.Rngs(0),
+                                                        self.lora))
         self.graphdef, self.abstract_state = nnx.split(abstract_model, nnx.Param)
         self.param_shardings = nnx.to_pure_dict(param_shardings(self.abstract_state, mesh))
         self.batch_shardings = {k: batch_sharding(mesh) for k in BATCH_KEYS}

@@ -33,6 +33,8 @@ RULES = {
     "expert_embed": None,
     "norm": None,
     "layers": None,
+    # a LoRA adapter's rank (model/lora.py): small, whole on every device
+    "lora": None,
 }
 
 

@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from model import moe
+from model import lora, moe
 from model.decoder import Decoder
 from model.sharded import ShardedModel
 from parallel.mesh import batch_sharding
@@ -54,13 +54,28 @@ class Trainer:
         self.sharded = ShardedModel(config, mesh)
         self.graphdef, self.backend = self.sharded.graphdef, self.sharded.backend
         self.param_shardings = self.sharded.param_shardings
-        self.optimizer = make_optimizer(config.train, decay_mask(self.sharded.abstract_state))
+        abstract_pure = nnx.to_pure_dict(self.sharded.abstract_state)
+        # LoRA (model/lora.py): only the adapters and train.lora.modules_to_save train; the
+        # frozen rest has no gradient and no optimizer state, and is held in base_dtype.
+        self.lora = self.sharded.lora
+        self.trained = None if self.lora is None else lora.trained_mask(
+            abstract_pure, self.lora, bool(config.model.get("tie_embeddings", False)))
+        if self.lora is not None:
+            base = lora.BASE_DTYPES[config.train.lora.base_dtype]
+            abstract_pure = jax.tree.map(
+                lambda a, t: a if t else jax.ShapeDtypeStruct(a.shape, base), abstract_pure,
+                self.trained)
+        self._base_dtypes = jax.tree.map(lambda a: a.dtype, abstract_pure)
+        trained_pure = self._split(abstract_pure)[0]
+        self.trained_shardings = self._split(self.param_shardings)[0]
+        self.optimizer = make_optimizer(config.train, self._split(
+            decay_mask(self.sharded.abstract_state))[0])
         self.lr_schedule = schedule(config.train)
         replicated = NamedSharding(mesh, P())
-        abstract_pure = nnx.to_pure_dict(self.sharded.abstract_state)
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_pure)
-        # Optimizer moments mirror the params' shardings; counters are replicated.
-        opt_shardings = _like_params(abstract_opt, abstract_pure, self.param_shardings, replicated)
+        abstract_opt = jax.eval_shape(self.optimizer.init, trained_pure)
+        # Optimizer moments mirror the trained params' shardings; counters are replicated.
+        opt_shardings = _like_params(abstract_opt, trained_pure, self.trained_shardings,
+                                     replicated)
         self.state_shardings = TrainState(step=replicated, params=self.param_shardings,
                                           opt_state=opt_shardings, bad_step=replicated)
         self.objective = objective.of(config)
@@ -82,6 +97,12 @@ class Trainer:
         # the state's params are the given buffers, not a copy beside them.
         self.init_from = jax.jit(self.state_of, out_shardings=self.state_shardings,
                                  donate_argnums=0)
+        # LoRA adapters as ``seed`` initialises them, alone (for a base model's weights from
+        # elsewhere: checkpoints/resume.py); the rest of the initialiser is never computed.
+        self.fresh_adapters = jax.jit(
+            lambda seed: lora.adapters_only(self.initial_params(seed)),
+            out_shardings=lora.adapters_only(self.param_shardings),
+            compiler_options=INIT_COMPILE_CPU if on_cpu else None)
         self.train_step = jax.jit(
             self._train_step, in_shardings=(self.state_shardings, self.batch_shardings),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
@@ -108,14 +129,28 @@ class Trainer:
                    - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
 
     def _init(self, seed):
-        model = Decoder(self.config.model, self.backend, nnx.Rngs(jax.random.key(seed)))
-        return self.state_of(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        return self.state_of(self.initial_params(seed))
+
+    def initial_params(self, seed):
+        """The model's parameters as ``seed`` initialises them (adapters included)."""
+        model = Decoder(self.config.model, self.backend, nnx.Rngs(jax.random.key(seed)),
+                        self.lora)
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def state_of(self, params) -> TrainState:
-        """The step-0 state around ``params``: the optimizer's initial state, no bad step."""
+        """The step-0 state around ``params``: the optimizer's initial state (for the trained
+        parameters), no bad step; a frozen base in its ``train.lora.base_dtype``."""
+        params = jax.tree.map(lambda p, d: p.astype(d), params, self._base_dtypes)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=self.optimizer.init(params),
+                          opt_state=self.optimizer.init(self._split(params)[0]),
                           bad_step=jnp.full((), -1, jnp.int32))
+
+    def _split(self, tree) -> tuple:
+        """(the trained part of a params-shaped ``tree``, the frozen part: {} without LoRA)."""
+        return (tree, {}) if self.trained is None else lora.split(tree, self.trained)
+
+    def _join(self, trained, frozen):
+        return trained if self.trained is None else lora.join(trained, frozen)
 
     def token_losses(self, params, batch):
         """Next-token cross-entropy per token ``[B, L]`` in the batch's layout, 0 where masked."""
@@ -164,9 +199,11 @@ class Trainer:
         so the result is the one-batch loss and gradient, with 1/k of the activations."""
         k = self.config.train.microbatches
         key = self.objective.count_key
+        # differentiated with respect to the trained parameters only (all of them without LoRA)
+        params, frozen = self._split(params)
         if k <= 1:
             def whole(p):
-                loss, counts, sums = self.loss_and_sums(p, batch)
+                loss, counts, sums = self.loss_and_sums(self._join(p, frozen), batch)
                 return loss, (counts, sums)
             (loss, (counts, sums)), grads = jax.value_and_grad(whole, has_aux=True)(params)
             return loss, counts[key], grads, self._metrics(sums, counts)
@@ -180,18 +217,18 @@ class Trainer:
             return jax.lax.with_sharding_constraint(x_kBL, self._micro_sharding)
 
         def micro_loss(params, micro):
-            loss, _, sums = self.loss_and_sums(params, micro, counts)
+            loss, _, sums = self.loss_and_sums(self._join(params, frozen), micro, counts)
             return loss, sums
 
         def body(carry, micro):
             loss_sum, sums_sum, grads = carry
             (loss, sums), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
             grads = jax.tree.map(jnp.add, grads, g)
-            grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+            grads = jax.lax.with_sharding_constraint(grads, self.trained_shardings)
             return (loss_sum + loss, jax.tree.map(jnp.add, sums_sum, sums), grads), None
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
-                                                 self.param_shardings)
+                                                 self.trained_shardings)
         micro = {name: split(v) for name, v in batch.items()}
         sums0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
             micro_loss, params, jax.tree.map(lambda x: x[0], micro))[1])
@@ -208,8 +245,9 @@ class Trainer:
     def _train_step(self, state: TrainState, batch):
         loss, _, grads, extra = self.gradients(state.params, batch)
         with jax.named_scope("optimizer"):  # training/profile.py's row
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            trained, frozen = self._split(state.params)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
+            params = self._join(optax.apply_updates(trained, updates), frozen)
             grad_norm = optax.tree.norm(grads)
         # An inf gradient with a finite loss poisons the parameters just the same.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -1,0 +1,229 @@
+"""LoRA adapters (``train.lora``): a low-rank ``scale * (x @ A) @ B`` added to chosen projections
+of the one decoder, the base frozen.
+
+An adapter is two parameters beside its projection, stacked over layers as the projection is:
+``A [in..., r]`` along the projection's input axes and ``B [r, out...]`` along its output axes,
+so the sharding rules table splits each as its base (A's input axis, B's output axis; the rank
+axis ``lora`` whole). ``attn.lora_q`` adapts ``wq [D, H, hd]`` with ``a [D, r]``, ``b [r, H,
+hd]``; ``attn.lora_o`` adapts ``wo [H, hd, D]`` with ``a [H, hd, r]``, ``b [r, D]``; the MLP's
+``lora_gate``, ``lora_up`` ``[D, r]``, ``[r, F]`` and ``lora_down`` ``[F, r]``, ``[r, D]``.
+
+As PEFT starts them: A uniform in +-1/sqrt(fan_in) (its kaiming_uniform with a = sqrt(5)), B
+zero, so step 0 is the base model; the scale is alpha / r, or alpha / sqrt(r) with rslora. The
+adapters draw from their own random stream (folded from their layer's key), so the base's
+weights are the same with and without them. PEFT's module names are the target names
+(``q_proj`` ... ``down_proj``); ``modules_to_save`` (LongLoRA's embeddings and norms) name
+whole weights that train in full: ``embed_tokens``, ``lm_head`` and ``norm`` (every RMSNorm).
+
+The trained parameters are the adapters and the saved modules; the rest is frozen: no gradient,
+no optimizer state (training/state.py), optionally held in bf16 (``train.lora.base_dtype``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from errors import ConfigError
+
+# PEFT's target module name -> (the module holding the projection, its weight, our adapter name)
+TARGETS = {"q_proj": ("attn", "wq", "lora_q"), "k_proj": ("attn", "wk", "lora_k"),
+           "v_proj": ("attn", "wv", "lora_v"), "o_proj": ("attn", "wo", "lora_o"),
+           "gate_proj": ("mlp", "w_gate", "lora_gate"), "up_proj": ("mlp", "w_up", "lora_up"),
+           "down_proj": ("mlp", "w_down", "lora_down")}
+ALL_LINEAR = "all-linear"  # PEFT's spelling of every projection above
+# modules_to_save -> what of our parameter tree trains in full (a path's first key, or any norm)
+SAVABLE = ("embed_tokens", "lm_head", "norm")
+BASE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What ``train.lora`` asks for, resolved (static: hashable model metadata)."""
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # PEFT names, in TARGETS' order
+    modules_to_save: tuple[str, ...] = ()
+    rslora: bool = False
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def adapts(self, weight: str) -> bool:
+        """Whether the projection ``weight`` (``wq``, ``w_down``, ...) carries an adapter."""
+        return any(TARGETS[t][1] == weight for t in self.targets)
+
+
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated config list as names (blanks dropped)."""
+    return tuple(n.strip() for n in str(text or "").split(",") if n.strip())
+
+
+def spec_of(config) -> Spec | None:
+    """The run's adapters (``config.train.lora``), or None when ``rank`` is 0 (every weight
+    trains). Assumes configs/validate.py's ``check`` passed."""
+    lora = config.train.get("lora")
+    if lora is None or not int(lora.rank):
+        return None
+    targets = names(lora.targets)
+    if targets == (ALL_LINEAR,):
+        targets = tuple(TARGETS)
+    return Spec(rank=int(lora.rank), alpha=float(lora.alpha),
+                targets=tuple(t for t in TARGETS if t in targets),
+                modules_to_save=names(lora.modules_to_save), rslora=bool(lora.rslora),
+                dropout=float(lora.dropout))
+
+
+def check(config) -> None:
+    """One line for a ``train.lora`` the model cannot take (configs/validate.py)."""
+    lora, m = config.train.get("lora"), config.model
+    if lora is None:
+        return
+    rank = lora.rank
+    if not isinstance(rank, int) or rank < 0:
+        raise ConfigError(f"train.lora.rank={rank!r} must be an int >= 0 (0: no adapters, every "
+                          f"weight trains)")
+    if not rank:
+        return
+    targets = names(lora.targets)
+    unknown = [t for t in targets if t not in TARGETS and t != ALL_LINEAR]
+    if unknown or not targets:
+        raise ConfigError(f"train.lora.targets={lora.targets!r}: "
+                          f"{'unknown module ' + repr(unknown[0]) if unknown else 'none given'}; "
+                          f"name some of {', '.join(TARGETS)} (PEFT's names), or {ALL_LINEAR}")
+    if ALL_LINEAR in targets:
+        targets = tuple(TARGETS)
+    hd = m.head_dim or m.d_model // m.num_heads
+    sizes = {"q_proj": (m.d_model, m.num_heads * hd), "k_proj": (m.d_model, m.num_kv_heads * hd),
+             "v_proj": (m.d_model, m.num_kv_heads * hd), "o_proj": (m.num_heads * hd, m.d_model),
+             "gate_proj": (m.d_model, m.ffn_dim), "up_proj": (m.d_model, m.ffn_dim),
+             "down_proj": (m.ffn_dim, m.d_model)}
+    for t in targets:
+        if rank > min(sizes[t]):
+            raise ConfigError(f"train.lora.rank={rank} is above {t}'s size {sizes[t][0]} x "
+                              f"{sizes[t][1]}: a rank of at most {min(sizes[t])} adapts it")
+    from model.flops import num_experts
+    mlp = [t for t in targets if TARGETS[t][0] == "mlp"]
+    if mlp and num_experts(m):
+        raise ConfigError(f"train.lora.targets: {', '.join(mlp)} name the MLP, which in this "
+                          f"model is a mixture of experts; adapters on experts are not built yet: "
+                          f"target q_proj,k_proj,v_proj,o_proj")
+    if not lora.alpha > 0:
+        raise ConfigError(f"train.lora.alpha={lora.alpha!r} must be > 0 (the scale is alpha / "
+                          f"rank, or alpha / sqrt(rank) with rslora)")
+    if not 0 <= float(lora.dropout) < 1:
+        raise ConfigError(f"train.lora.dropout={lora.dropout!r} must be in [0, 1)")
+    if float(lora.dropout):
+        raise ConfigError(f"train.lora.dropout={lora.dropout!r}: dropout on the adapters' input "
+                          f"is not built yet; 0 trains them as PEFT does with lora_dropout=0")
+    bad = [s for s in names(lora.modules_to_save) if s not in SAVABLE]
+    if bad:
+        raise ConfigError(f"train.lora.modules_to_save: unknown module {bad[0]!r}; name some of "
+                          f"{', '.join(SAVABLE)} (norm: every RMSNorm)")
+    if lora.base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"train.lora.base_dtype={lora.base_dtype!r} is not one of "
+                          f"{', '.join(BASE_DTYPES)}")
+
+
+class Adapter(nnx.Module):
+    """``scale * (x @ A) @ B`` for a projection whose input axes are ``in_shape`` (the last of
+    x) and whose output axes are ``out_shape``."""
+
+    def __init__(self, rngs: nnx.Rngs, in_shape, in_axes, out_shape, out_axes, spec: Spec):
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        self.a = nnx.Param(jax.random.uniform(rngs.params(), (*in_shape, spec.rank), jnp.float32,
+                                              -bound, bound), axes=(*in_axes, "lora"))
+        self.b = nnx.Param(jnp.zeros((spec.rank, *out_shape), jnp.float32),
+                           axes=("lora", *out_axes))
+        self.scale, self.inputs = spec.scale, len(in_shape)
+
+    def __call__(self, x, dtype):
+        return delta(x, self.a[...].astype(dtype), self.b[...].astype(dtype), self.scale)
+
+
+def delta(x, a, b, scale: float):
+    """``scale * (x @ a) @ b``, ``a``'s leading axes contracting x's last ones."""
+    h = jnp.tensordot(x, a, axes=a.ndim - 1)
+    return jnp.tensordot(h, b, axes=1) * jnp.asarray(scale, h.dtype)
+
+
+def adapter(module, name: str):
+    """``module``'s adapter ``name`` (``lora_q``, ...), None where it has none."""
+    return getattr(module, name, None)
+
+
+# ----------------------------------------------------------------------------- trained and frozen
+
+def _path_trains(path: tuple[str, ...], spec: Spec, tied: bool) -> bool:
+    if any(str(k).startswith("lora_") for k in path):
+        return True
+    saved = spec.modules_to_save
+    if "norm" in saved and any(str(k).endswith("norm") for k in path):
+        return True
+    if path[0] == "embed" and ("embed_tokens" in saved or (tied and "lm_head" in saved)):
+        return True
+    return path[0] == "head" and "lm_head" in saved
+
+
+def trained_mask(params: dict, spec: Spec, tied: bool) -> dict:
+    """``params``' nested dict with True where a leaf trains (adapters, modules_to_save)."""
+    def visit(node, path):
+        if isinstance(node, dict):
+            return {k: visit(v, (*path, k)) for k, v in node.items()}
+        return _path_trains(path, spec, tied)
+    return visit(params, ())
+
+
+def split(params: dict, mask: dict) -> tuple[dict, dict]:
+    """(the leaves where ``mask`` is True, the rest), each a nested dict of ``params``' shape
+    without the other's leaves (empty dicts dropped)."""
+    def part(node, m, want):
+        if isinstance(node, dict):
+            out = {k: part(v, m[k], want) for k, v in node.items()}
+            return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
+        return node if bool(m) == want else {}
+    return part(params, mask, True), part(params, mask, False)
+
+
+def join(a: dict, b: dict) -> dict:
+    """The nested dicts ``a`` and ``b`` (disjoint leaves) as one."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = join(out[k], v) if k in out and isinstance(v, dict) else v
+    return out
+
+
+def adapters_only(params: dict) -> dict:
+    """The adapter leaves of ``params`` (a nested dict; empty where it has none)."""
+    def visit(node, inside):
+        if isinstance(node, dict):
+            out = {k: visit(v, inside or str(k).startswith("lora_")) for k, v in node.items()}
+            return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
+        return node if inside else {}
+    out = visit(params, False)
+    return out if isinstance(out, dict) else {}
+
+
+def without_adapters(params: dict) -> dict:
+    """``params`` less its adapters: the base model's tree."""
+    def visit(node):
+        if isinstance(node, dict):
+            return {k: visit(v) for k, v in node.items() if not str(k).startswith("lora_")}
+        return node
+    return visit(params)
+
+
+def switched_off(params: dict) -> dict:
+    """``params`` with every adapter's B at zero: the base model's function (DPO's reference)."""
+    def visit(node, inside):
+        if isinstance(node, dict):
+            return {k: (jnp.zeros_like(v) if inside and k == "b" else
+                        visit(v, inside or str(k).startswith("lora_")))
+                    for k, v in node.items()}
+        return node
+    return visit(params, False)
