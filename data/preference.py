@@ -179,7 +179,8 @@ class PreferencePipeline(ChatPipeline):
     # -- the reference ----------------------------------------------------------------------
     def prepare(self, trainer, params, workdir: pathlib.Path, start: int, log) -> None:
         """The reference's per-side log-probabilities: read from the run directory, or (a run's
-        start) computed with ``params``, the starting weights, over every row, and saved."""
+        start) computed with ``params``, the starting weights (LoRA's adapters off: the base
+        model), over every row, and saved."""
         import jax
         path = workdir / REFERENCE_FILE
         # What the reference is of: the rows' very tokens (which side is chosen included), and,
@@ -207,7 +208,8 @@ class PreferencePipeline(ChatPipeline):
         elif start > 0:
             raise CheckpointError(f"{path} is missing: a preference run resumes with the "
                                   f"reference log-probabilities it computed at its start")
-        sides = jax.jit(lambda p, b: trainer.objective.sides_logps(trainer.token_losses(p, b), b),
+        sides = jax.jit(lambda p, b: trainer.objective.sides_logps(
+                            trainer.token_losses(trainer.reference_params(p), b), b),
                         in_shardings=(trainer.param_shardings, trainer.batch_shardings),
                         out_shardings=jax.sharding.NamedSharding(trainer.mesh,
                                                                  jax.sharding.PartitionSpec()))

@@ -145,6 +145,12 @@ class Trainer:
                           opt_state=self.optimizer.init(self._split(params)[0]),
                           bad_step=jnp.full((), -1, jnp.int32))
 
+    def reference_params(self, params):
+        """DPO's reference model of ``params``: with LoRA the base, adapters off (B at zero),
+        as TRL's DPO with PEFT (the starting weights themselves under new adapters); else
+        ``params``."""
+        return params if self.lora is None else lora.switched_off(params)
+
     def _split(self, tree) -> tuple:
         """(the trained part of a params-shaped ``tree``, the frozen part: {} without LoRA)."""
         return (tree, {}) if self.trained is None else lora.split(tree, self.trained)
