@@ -503,3 +503,41 @@ def test_dpo_on_a_mixture_of_experts_starts_at_ln2_plus_the_policys_aux_terms_an
     assert np.isfinite(float(metrics["aux_loss"])) and int(metrics["bad_step"]) == -1
     assert float(metrics["dpo_loss"]) < math.log(2) - 0.05
     pipe.close()
+
+
+# -- with LoRA adapters -----------------------------------------------------------------------
+def test_dpo_with_adapters_starts_at_ln2_steps_and_its_reference_is_the_base(chat_run, pairs_file,
+                                                                          tmp_path):
+    """configs/dpo.py with train.lora.rank=4 from the imported base: new adapters (B zero), so
+    the reference pass (the starting weights) and the policy agree and the first step's DPO
+    loss is ln 2; steps on the batch take it below. The reference is the base with the
+    adapters off: under adapters whose B is not zero (an imported adapter's), the reference
+    pass gives the same log-probabilities as under new ones."""
+    from checkpoints.rundir import open_run
+    from model import lora
+    c = config(chat_run, pairs_file, tmp_path)
+    c.train.update(lr=1e-2)
+    c.train.lora.rank = 4
+    mesh = make_mesh(c.mesh, jax.devices()[:1])
+    pipe, trainer = make_pipeline(c, mesh), Trainer(c, mesh)
+    base = open_run(chat_run[0]).restore_params(
+        lora.without_adapters(trainer.abstract_state.params)).params
+    params = lora.join(base, trainer.fresh_adapters(0))
+    host = jax.device_get(params)
+    state = trainer.init_from(params)
+    pipe.prepare(trainer, state.params, tmp_path / "run", 0, lambda m: None)
+    reference = pipe._train_rows.ref.copy()
+    batch = pipe.device_batch(0)
+    state, metrics = trainer.train_step(state, batch)
+    assert abs(float(metrics["dpo_loss"]) - math.log(2)) < 1e-5
+    for _ in range(3):
+        state, metrics = trainer.train_step(state, batch)
+    assert float(metrics["dpo_loss"]) < math.log(2) - 0.05 and int(metrics["bad_step"]) == -1
+    rng = np.random.default_rng(2)
+    moved = jax.tree_util.tree_map_with_path(
+        lambda k, v: rng.normal(0, 0.5, v.shape).astype(v.dtype)
+        if "lora_" in jax.tree_util.keystr(k) else v, host)
+    pipe.prepare(trainer, jax.device_put(moved, trainer.param_shardings), tmp_path / "other", 0,
+                 lambda m: None)
+    np.testing.assert_allclose(pipe._train_rows.ref, reference, rtol=1e-6, atol=1e-5)
+    pipe.close()

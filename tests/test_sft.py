@@ -459,6 +459,49 @@ def test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports(chat
         chat_run[2].apply_chat_template(messages, tokenize=False)
 
 
+def test_a_lora_run_starts_at_the_base_trains_its_adapters_alone_and_resumes_exactly(
+        chat_run, one_device, tmp_path):
+    """configs/sft.py with --config.train.lora.rank=4 (every projection, and the norms in
+    full) from the imported base: new adapters with B zero, so the first step's loss and
+    trained tokens are the full fine-tune's (one device's, as above); the held-out loss falls;
+    the checkpoint's frozen weights are the import's to the bit; a resume after step 2 gives the
+    same losses to the bit."""
+    import shutil
+
+    import trained_run as tr
+    from checkpoints.rundir import open_run
+    from model import lora
+    from model.decoder import single_device_params
+    flags = ("train.lora.rank=4", "train.lora.modules_to_save=norm")
+    whole = tmp_path / "whole"
+    done = sft_run(chat_run, whole, *flags)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "LoRA: new adapters of rank 4 on q_proj, k_proj, v_proj, o_proj, gate_proj, " \
+           "up_proj, down_proj" in out
+    metrics, (want_loss, want_count, _, _) = tr.metrics(whole), one_device
+    assert metrics[1]["trained_tokens"] == want_count
+    assert abs(metrics[1]["loss"] - want_loss) < 1e-5 * want_loss
+    evals = tr.evals(whole)
+    assert evals[4]["eval_loss"] < evals[0]["eval_loss"] - 0.01
+    run = open_run(whole)
+    params = jax.device_get(run.restore_params(single_device_params(run.config)).params)
+    base = jax.device_get(open_run(chat_run[0]).restore_params(
+        lora.without_adapters(single_device_params(run.config))).params)
+    mask = lora.trained_mask(params, lora.spec_of(run.config), tied=False)
+    trained, frozen = lora.split(params, mask)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(frozen)[0],
+                                 jax.tree.leaves(lora.split(base, mask)[1])):
+        assert np.array_equal(got, want), jax.tree_util.keystr(path)
+    assert np.abs(trained["blocks"]["attn"]["lora_q"]["b"]).max() > 0
+    half = tmp_path / "half"
+    shutil.copytree(whole, half)
+    shutil.rmtree(half / "checkpoints" / "4")
+    resumed = sft_run(chat_run, half, *flags)
+    assert resumed.returncode == 0 and "resuming from step 2" in resumed.stdout
+    assert [tr.metrics(half)[s]["loss"] for s in (3, 4)] == [metrics[s]["loss"] for s in (3, 4)]
+
+
 def test_generate_chat_gives_transformers_greedy_reply(chat_run, capsys):
     """generate.py --chat on the import: the prompt rendered with the generation prompt, the
     reply transformers' greedy continuation of apply_chat_template(add_generation_prompt=True),
