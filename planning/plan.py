@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from model import lora
 from model.decoder import REMAT as REMATS
 from planning import collectives as coll
 from planning import hardware as hwlib
@@ -97,6 +98,11 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
         "active_params": active_param_count(m),
         "moe": ({"num_experts": experts(m)[1], "top_k": experts(m)[0], "expert_dim": expert_dim(m)}
                 if moe_experts(m) else None),
+        # LoRA (model/lora.py): adapter, trained (adapters + modules_to_save) and frozen counts;
+        # the compiled memory holds optimizer state for the trained ones only
+        "lora": (None if lora.spec_of(base) is None else
+                 {"rank": lora.spec_of(base).rank, "targets": list(lora.spec_of(base).targets),
+                  **lora.counts(base)}),
         "num_layers": m.num_layers,
         # each layer's attention (model.layer_types): the step time and FLOPs sum them
         "layer_pattern": pattern.describe(m),

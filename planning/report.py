@@ -61,6 +61,10 @@ def markdown(plan: dict) -> str:
         *([f"| parameters a token reads ({moe['top_k']} of {moe['num_experts']} experts of "
            f"{moe['expert_dim']:,}) | {plan['active_params']:,} ({_si(plan['active_params'])}) |"]
           if moe else []),
+        *([f"| LoRA rank {lo['rank']} on {', '.join(lo['targets'])}: trained (adapters "
+           f"{lo['adapters']:,} + modules_to_save) / frozen | {lo['trained']:,} "
+           f"({_si(lo['trained'])}) / {lo['frozen']:,} ({_si(lo['frozen'])}) |"]
+          if (lo := plan.get("lora")) else []),
         *([f"| layers | {plan['num_layers']}: {plan['layer_pattern']} |"]
           if plan.get("layer_pattern_mixed") else []),
         f"| FLOPs/token, model (6N + causal attention) | {_si(plan['flops_per_token']['model'])} |",

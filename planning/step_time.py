@@ -35,6 +35,7 @@ import dataclasses
 
 import numpy as np
 
+from model import lora
 from model.flops import (flops_per_token, head_dim, matmul_params, mlp_matmul_params,
                          total_matmul_params, window_counts)
 from parallel.experts import EXCHANGE_SCOPE
@@ -245,6 +246,9 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
     m = config.model
     tokens = global_rows * config.data.seq_len
     per_token = 6 * matmul_params(m) + 2 * recomputed_matmul_params(config, remat)
+    adapters = lora.counts(config)
+    if adapters is not None:  # LoRA: a frozen weight's own gradient is never computed
+        per_token += 6 * adapters["adapters"] - 2 * adapters["frozen_matmul"]
     efficiency = rates.matmul_efficiency if rates is not None else 1.0
     compute = per_token * tokens / num_devices / (hw.peak_flops * efficiency)
     comm, source = 0.0, "compiled HLO"
@@ -262,7 +266,9 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
         f = mesh_sizes["fsdp"]
         if f > 1:
             share = (f - 1) / f / mesh_sizes["tensor"]
-            traffic = share * (2 * 2 + 4) * total_matmul_params(m)
+            # (LoRA: no gradient to reduce-scatter for the frozen weights)
+            grads = 4 if lora.spec_of(config) is None else 0
+            traffic = share * (2 * 2 + grads) * total_matmul_params(m)
             comm = traffic / link_bandwidth(hw, axis_crosses_nodes(mesh_sizes, "fsdp", hw))
         source = "analytic FSDP estimate"
     return {"compute_s": compute, "collectives_s": comm, "total_s": max(compute, comm),
