@@ -10,7 +10,6 @@ import json
 from checkpoints.compat import checker
 from checkpoints.manager import Checkpoints, locate
 from errors import CheckpointError, DataError
-from model import lora
 
 
 def run_meta(config, fingerprint: str, mesh) -> dict:
@@ -73,7 +72,7 @@ def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, ob
             # function), or a LoRA run's weights with its adapters
             fresh_adapters = trainer.lora is not None and not held
             if fresh_adapters:
-                abstract = lora.without_adapters(abstract)
+                abstract = trainer.without_adapters(abstract)
             got = other.restore_params(abstract, step=step, check=fits)
         else:
             got = other.restore(trainer.abstract_state, step=step, check=check)
@@ -86,7 +85,7 @@ def start_state(config, trainer, pipe, ckpts: Checkpoints, log) -> tuple[int, ob
             f"step 0, data from the beginning")
         params = got.params
         if fresh_adapters:
-            params = lora.join(params, trainer.fresh_adapters(config.train.seed))
+            params = trainer.with_adapters(params, trainer.fresh_adapters(config.train.seed))
             log(f"LoRA: new adapters of rank {trainer.lora.rank} on "
                 f"{', '.join(trainer.lora.targets)} (B zero: step 0 is these weights' model)")
         return 0, trainer.init_from(params)

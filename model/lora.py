@@ -152,29 +152,6 @@ def delta(x, a, b, scale: float):
     return jnp.tensordot(h, b, axes=1) * jnp.asarray(scale, h.dtype)
 
 
-def counts(config) -> dict | None:
-    """The run's parameter counts under its adapters, from the model's shapes alone (no
-    weights): ``adapters``, ``trained`` (adapters and modules_to_save), ``frozen``, and
-    ``frozen_matmul`` (matmul weights whose own gradient the backward never computes: the
-    planner's step time); None without adapters."""
-    spec = spec_of(config)
-    if spec is None:
-        return None
-    from model.decoder import AttentionBackend, Decoder
-    from model.flops import matmul_params
-    m = config.model
-    tied = bool(m.get("tie_embeddings", False))
-    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
-        lambda: Decoder(m, AttentionBackend(), nnx.Rngs(0), spec)), nnx.Param))
-    trained, frozen = split(abstract, trained_mask(abstract, spec, tied))
-    size = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))  # noqa: E731
-    head_trains = "lm_head" in spec.modules_to_save or (tied and "embed_tokens" in
-                                                         spec.modules_to_save)
-    return {"adapters": size(adapters_only(abstract)), "trained": size(trained),
-            "frozen": size(frozen),
-            "frozen_matmul": matmul_params(m) - (m.vocab_size * m.d_model if head_trains else 0)}
-
-
 def adapter(module, name: str):
     """``module``'s adapter ``name`` (``lora_q``, ...), None where it has none."""
     return getattr(module, name, None)

@@ -36,6 +36,7 @@ import dataclasses
 import numpy as np
 
 from model import lora
+from model.sharded import lora_counts
 from model.flops import (flops_per_token, head_dim, matmul_params, mlp_matmul_params,
                          total_matmul_params, window_counts)
 from parallel.experts import EXCHANGE_SCOPE
@@ -246,7 +247,7 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
     m = config.model
     tokens = global_rows * config.data.seq_len
     per_token = 6 * matmul_params(m) + 2 * recomputed_matmul_params(config, remat)
-    adapters = lora.counts(config)
+    adapters = lora_counts(config)
     if adapters is not None:  # LoRA: a frozen weight's own gradient is never computed
         per_token += 6 * adapters["adapters"] - 2 * adapters["frozen_matmul"]
     efficiency = rates.matmul_efficiency if rates is not None else 1.0

@@ -721,12 +721,12 @@ def test_a_lora_plan_holds_optimizer_state_for_the_trained_parameters_only(tiny_
     where they divide), its parameters the whole model plus the adapters, the counts in the
     plan; the frozen weights' own gradients never computed, so the projected matmul time falls
     by a third of theirs."""
-    from model import lora
+    from model.sharded import lora_counts
     full, _ = tiny_plan
     mesh = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
     c = planned_config(importlib.import_module("configs.tiny").get_config(), 1024, 8, mesh, "none")
     c.train.lora.rank = 4
-    counts = lora.counts(c)
+    counts = lora_counts(c)
     m = c.model
     hd = m.d_model // m.num_heads
     per_layer = 4 * (2 * (m.d_model + m.d_model) + 2 * (m.d_model + m.num_kv_heads * hd)

@@ -151,6 +151,16 @@ class Trainer:
         ``params``."""
         return params if self.lora is None else lora.switched_off(params)
 
+    @staticmethod
+    def without_adapters(params):
+        """A params-shaped tree less its LoRA adapters: the base model's."""
+        return lora.without_adapters(params)
+
+    @staticmethod
+    def with_adapters(base, adapters):
+        """A base model's params with ``adapters`` (``fresh_adapters``') joined in."""
+        return lora.join(base, adapters)
+
     def _split(self, tree) -> tuple:
         """(the trained part of a params-shaped ``tree``, the frozen part: {} without LoRA)."""
         return (tree, {}) if self.trained is None else lora.split(tree, self.trained)
