@@ -152,12 +152,17 @@ def test_training_leaves_the_base_bitwise_and_keeps_state_for_the_trained_only(o
     assert jax.tree.structure(mu) == jax.tree.structure(trained)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(mu)[0]]
     assert all("lora_" in p or "norm" in p or p == "['embed']" for p in paths), paths
-    # the planner's state: adapters, norms and the table, not the frozen projections
     c = lora_config(base_dtype="bfloat16")
-    bf16 = Trainer(c, make_mesh(c.mesh, jax.devices()[:1])).abstract_state.params
-    assert bf16["blocks"]["attn"]["wq"].dtype == np.dtype("bfloat16")
-    assert bf16["blocks"]["attn"]["lora_q"]["a"].dtype == np.float32
-    assert bf16["embed"].dtype == np.float32  # modules_to_save train, in fp32
+    bf16 = Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))
+    state = bf16.init_from(jax.device_put(params, bf16.param_shardings))
+    held = state.params
+    assert held["blocks"]["attn"]["wq"].dtype == np.dtype("bfloat16")
+    assert held["blocks"]["attn"]["lora_q"]["a"].dtype == np.float32
+    assert held["embed"].dtype == np.float32  # modules_to_save train, in fp32
+    wq = np.asarray(held["blocks"]["attn"]["wq"])
+    state, got = bf16.train_step(state, batch)  # the first step's loss: the base rounded to bf16
+    assert abs(float(got["loss"]) - one_device[2]) < 1e-2 * one_device[2]
+    assert np.array_equal(np.asarray(state.params["blocks"]["attn"]["wq"]), wq)
 
 
 @pytest.mark.parametrize("fields,says", [
