@@ -159,7 +159,9 @@ def adapter(module, name: str):
 
 # ----------------------------------------------------------------------------- trained and frozen
 
-def _path_trains(path: tuple[str, ...], spec: Spec, tied: bool) -> bool:
+def path_trains(path: tuple[str, ...], spec: Spec, tied: bool) -> bool:
+    """Whether the parameter at ``path`` (keys of the pure params dict) trains under ``spec``:
+    an adapter, or a weight ``modules_to_save`` names (``tied``: the table is also the head)."""
     if any(str(k).startswith("lora_") for k in path):
         return True
     saved = spec.modules_to_save
@@ -175,7 +177,7 @@ def trained_mask(params: dict, spec: Spec, tied: bool) -> dict:
     def visit(node, path):
         if isinstance(node, dict):
             return {k: visit(v, (*path, k)) for k, v in node.items()}
-        return _path_trains(path, spec, tied)
+        return path_trains(path, spec, tied)
     return visit(params, ())
 
 

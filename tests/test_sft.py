@@ -478,7 +478,7 @@ def test_a_lora_run_starts_at_the_base_trains_its_adapters_alone_and_resumes_exa
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "LoRA: new adapters of rank 4 on q_proj, k_proj, v_proj, o_proj, gate_proj, " \
-           "up_proj, down_proj" in out
+           "up_proj, down_proj" in out and "M trained: LoRA rank 4, the rest frozen)" in out
     metrics, (want_loss, want_count, _, _) = tr.metrics(whole), one_device
     assert metrics[1]["trained_tokens"] == want_count
     assert abs(metrics[1]["loss"] - want_loss) < 1e-5 * want_loss

@@ -174,6 +174,10 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     k, n = experts(m)  # a mixture of experts: FLOPs (and MFU) count a token's k experts only
     active = (f" ({active_param_count(m) / 1e6:.1f}M active: {k} of {n} experts a token)"
               if n > 1 else "")
+    if trainer.lora is not None:  # what trains of it (model/lora.py)
+        trained = sum(math.prod(a.shape) for a in jax.tree.leaves(
+            trainer._split(trainer.abstract_state.params)[0]))
+        active += f" ({trained / 1e6:.2f}M trained: LoRA rank {trainer.lora.rank}, the rest frozen)"
     log.write(f"model: {param_count(m) / 1e6:.1f}M params{active}, {layers}{flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
               f"{config.attention.layout}, kernel {kernel_note(trainer, mesh, config)}; "
