@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from checkpoints.rundir import open_run
 from data.tokenizer import EOS
 from errors import ConversionError
-from hf.gguf_file import GGUFFile, permute, unpermute
+from hf.gguf_file import (QUANT_TYPES, GGUFFile, decode, dequantize, permute, read_layout,
+                          unpermute)
 from scripts import convert_hf
 from test_hf_convert import (ORIGINAL, assert_greedy_tokens_match, hf_logits, hf_model,
                              our_logits, relative)
@@ -149,6 +150,107 @@ def tiny_gguf(tmp_path_factory):
     model = hf_model(rng, d / "hf", tied=True, kv_heads=2)
     tok = Tokenizer.from_file(str(d / "hf" / "tokenizer.json"))
     return write_gguf(model, tok, d / "tiny.gguf"), tok
+
+
+def same_floats(got, want):
+    """Bit for bit the same float32 values (NaN where NaN), shapes aside."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype == np.float32 and got.size == want.size
+    got, want = got.reshape(-1), want.reshape(-1)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+
+
+def assert_reads_as_gguf(path):
+    """hf/gguf_file's own reader and dequantizer give what llama.cpp's gguf package gives: every
+    metadata value (of the same Python types), the tensors' names, types, shapes, places and
+    sizes, and their float32 values bit for bit."""
+    theirs = gguf.GGUFReader(str(path))
+    data = path.read_bytes()
+    ours = read_layout(data, len(data))
+    assert ours.version == theirs.fields["GGUF.version"].contents()
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+    assert list(ours.metadata) == keys
+    for key in keys:
+        got, want = decode(ours.metadata[key]), theirs.fields[key].contents()
+        assert got == want and type(got) is type(want), key
+        if isinstance(want, list):
+            assert [type(v) for v in got] == [type(v) for v in want], key
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.type, t.shape, t.offset + ours.data_offset, t.n_bytes)
+            for t in ours.tensors] == [
+        (t.name, t.tensor_type.name, tuple(int(n) for n in t.shape), t.data_offset, t.n_bytes)
+        for t in theirs.tensors]
+    for t, want in zip(ours.tensors, theirs.tensors):
+        raw = np.frombuffer(data, np.uint8, t.n_bytes, ours.data_offset + t.offset)
+        same_floats(dequantize(raw, t.type), gguf.quants.dequantize(want.data, want.tensor_type))
+    return ours
+
+
+def test_our_reader_reads_what_the_gguf_package_reads(tiny_gguf, tmp_path, rng):
+    """The model file (every type a small file holds), a metadata file of strings, ints,
+    floats and a bool, and a file of every value type (extremes, arrays of each, arrays of
+    arrays) with another alignment."""
+    ours = assert_reads_as_gguf(tiny_gguf[0])
+    assert {t.type for t in ours.tensors} == {q.name for q in LINEAR_TYPES}
+    tok = llama3_tokenizer.build(["ab cd ef"] * 4, 300)
+    assert_reads_as_gguf(write_meta_gguf(
+        tmp_path / "meta.gguf", tok, add_bos=True,
+        rope={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+              "rope.scaling.original_context_length": 16}))
+    V = gguf.GGUFValueType
+    values = {V.UINT8: 255, V.INT8: -128, V.UINT16: 65535, V.INT16: -32768,
+              V.UINT32: 2 ** 32 - 1, V.INT32: -2 ** 31, V.UINT64: 2 ** 64 - 1,
+              V.INT64: -2 ** 63, V.FLOAT32: float(np.float32(rng.normal())),
+              V.FLOAT64: float(rng.normal()), V.BOOL: True, V.STRING: "naïve 日本語 🙂"}
+    w = gguf.GGUFWriter(str(tmp_path / "all.gguf"), "llama")
+    w.add_custom_alignment(64)
+    for kind, value in values.items():
+        w.add_key_value(f"test.{kind.name}", value, kind)
+        w.add_key_value(f"test.{kind.name}s", [value, value, values[V.BOOL] and value], V.ARRAY,
+                        sub_type=kind)
+    w.add_key_value("test.bools", [True, False, True], V.ARRAY, sub_type=V.BOOL)
+    w.add_key_value("test.empty", "", V.STRING)
+    w.add_key_value("test.nested", [[1, 2], [3]], V.ARRAY)
+    w.add_key_value("test.nested_strings", [["a", "bc"], ["é"]], V.ARRAY)
+    w.add_tensor("odd", rng.normal(size=3).astype(np.float32))
+    w.add_tensor("q", gguf.quants.quantize(rng.normal(size=(3, 64)).astype(np.float32), Q.Q8_0),
+                 raw_dtype=Q.Q8_0)
+    finish(w)
+    ours = assert_reads_as_gguf(tmp_path / "all.gguf")
+    assert ours.data_offset % 64 == 0 and len(ours.metadata) == 2 * len(values) + 6
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # inf * 0 in both
+@pytest.mark.parametrize("kind", QUANT_TYPES)
+def test_dequantize_is_the_gguf_packages_bit_for_bit(rng, kind):
+    """Random bytes (NaN, infinite and subnormal scales included) of every type that converts:
+    our whole-tensor numpy is gguf.quants.dequantize, bit for bit, over more rows than its
+    groups of 16."""
+    block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+    rows, blocks = int(rng.integers(1, 70)), int(rng.integers(1, 6)) * (32 if block == 1 else 1)
+    raw = rng.integers(0, 256, (rows, blocks * size), dtype=np.uint8)
+    want = gguf.quants.dequantize(raw, Q[kind])
+    assert want.shape == (rows, blocks * block)
+    same_floats(dequantize(raw, kind), want)
+
+
+def test_a_file_cut_short_anywhere_stops_in_one_line(tiny_gguf, tmp_path, rng):
+    """Cut in its header, metadata (the vocabulary's strings), tensor infos or data: one
+    ConversionError line each; a big-endian file is refused by name."""
+    data = tiny_gguf[0].read_bytes()
+    layout = read_layout(data, len(data))
+    bad = tmp_path / "bad.gguf"
+    cuts = {5, 23, 24, 100, 2000, layout.data_offset - 1, layout.data_offset + 7,
+            len(data) - 1, *rng.integers(4, len(data), 8).tolist()}
+    for cut in sorted(cuts):
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ConversionError, match="cannot be read as GGUF"):
+            GGUFFile(bad)
+    bad.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    with pytest.raises(ConversionError, match="a big-endian GGUF file does not convert"):
+        GGUFFile(bad)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 16), (9, 3, 64), (6, 1, 12),
