@@ -246,7 +246,9 @@ def get_config() -> ml_collections.ConfigDict:
     lo.rank = 0  # r; 0: no adapters, every weight trains
     lo.alpha = 16.0  # the adapters' scale is alpha / rank (PEFT's lora_alpha)
     lo.rslora = False  # scale by alpha / sqrt(rank) instead (rank-stabilised LoRA)
-    lo.dropout = 0.0  # on the adapters' input (PEFT's lora_dropout); only 0 is built so far
+    # PEFT's lora_dropout on the adapters' input, train steps only; the masks hash the token
+    # (row, natural position), so any mesh, layout or microbatching gives the same step
+    lo.dropout = 0.0
     # PEFT's module names, comma-separated: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
     # down_proj, or all-linear (every one of them)
     lo.targets = "all-linear"

@@ -302,11 +302,10 @@ def lora_fields(cfg: dict, tensors, m, where: str = CONFIG) -> tuple[dict, list[
     modules = _our_modules_to_save(entries, m, where)
     lines = []
     dropout = float(cfg.get("lora_dropout", 0.0) or 0.0)
-    if dropout:
-        lines.append(f"{where}: lora_dropout={dropout:g} is not built here: the adapters train on "
-                     f"(dropout 0); evaluation is the same either way")
+    if not 0 <= dropout < 1:
+        raise ConversionError(f"{where}: lora_dropout={dropout:g} is not in [0, 1)")
     fields = {"rank": int(r), "alpha": float(alpha), "rslora": bool(cfg.get("use_rslora", False)),
-              "dropout": 0.0,
+              "dropout": dropout,
               "targets": (lora.ALL_LINEAR if targets == tuple(lora.TARGETS) else ",".join(targets)),
               "modules_to_save": ",".join(modules)}
     # what modules_to_save names, and the embeddings PEFT saves beside an adapter when they were

@@ -168,14 +168,17 @@ class Decoder(nnx.Module):
             # ([layers, B, L, D]); offload_input moves exactly these to host memory.
             return checkpoint_name(x_BLD, "layer_input")
 
-        def layer(x_BLD, block, _, kind):
-            x_BLD, kv, stats = block.attend_routed(x_BLD, positions_BL, segment_ids_BL,
-                                                   kind=kind)
+        def layer(x_BLD, block, index, kind):
+            with lora_lib.in_layer(index):  # LoRA's dropout masks differ by layer
+                x_BLD, kv, stats = block.attend_routed(x_BLD, positions_BL, segment_ids_BL,
+                                                       kind=kind)
             if routed and stats is None and self.moe_mlp is not None:  # a dense layer
                 stats = self.no_router_stats(x_BLD, segment_ids_BL)
             return x_BLD, (kv if keep_kv else None, stats if routed else None)
 
-        x_BLD, (kv, stats) = self.over_layers(layer, x_BLD, enter=enter, remat=self.remat)
+        index = (jnp.arange(self.num_layers, dtype=jnp.int32)
+                 if lora_lib.dropping_ids() is not None else None)
+        x_BLD, (kv, stats) = self.over_layers(layer, x_BLD, index, enter=enter, remat=self.remat)
         if routed:
             stats = None if stats is None else jax.tree.map(lambda s: s.sum(axis=0), stats)
             return x_BLD, stats

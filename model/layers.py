@@ -157,7 +157,8 @@ class Attention(nnx.Module):
         for weight, name in (("wq", "lora_q"), ("wk", "lora_k"), ("wv", "lora_v"),
                              ("wo", "lora_o")):
             if lora is not None and lora.adapts(weight):
-                setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes[weight], lora))
+                setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes[weight], lora,
+                                                     lora_lib.salt(name)))
 
     def _project(self, x_BLD, w_DHK, b_HK, adapter=None):
         y_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK[...].astype(self.dtype))
@@ -222,7 +223,8 @@ class GatedMLP(nnx.Module):
                                      ("w_up", "lora_up", (*into, *out_of)),
                                      ("w_down", "lora_down", (*out_of, *into))):
             if lora is not None and lora.adapts(weight):
-                setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes, lora))
+                setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes, lora,
+                                                     lora_lib.salt(name)))
 
     def __call__(self, x_BLD):
         c = lambda p: p[...].astype(self.dtype)
@@ -231,26 +233,38 @@ class GatedMLP(nnx.Module):
 
     def adapters(self, cast) -> tuple | None:
         """((a, b) of the gate's, the up's and the down's adapter, each None where it has
-        none; the scale), ``cast`` applied to each weight; None without adapters."""
-        pairs = [lora_lib.adapter(self, n) for n in ("lora_gate", "lora_up", "lora_down")]
+        none; the scale; the dropout rate), ``cast`` applied to each weight; None without
+        adapters."""
+        pairs = [lora_lib.adapter(self, n) for n in MLP_ADAPTERS]
         if not any(p is not None for p in pairs):
             return None
-        scale = next(p.scale for p in pairs if p is not None)
-        return tuple(None if p is None else (cast(p.a), cast(p.b)) for p in pairs), scale
+        first = next(p for p in pairs if p is not None)
+        return (tuple(None if p is None else (cast(p.a), cast(p.b)) for p in pairs),
+                first.scale, first.rate)
 
 
-def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", adapters=None):
-    """``adapters``: ``GatedMLP.adapters``' (pairs, scale), or None."""
+MLP_ADAPTERS = ("lora_gate", "lora_up", "lora_down")
+
+
+def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", adapters=None,
+              ids=None, offset=None):
+    """``adapters``: ``GatedMLP.adapters``' (pairs, scale, dropout rate), or None. ``ids``,
+    ``offset``: a chunk's tokens and its first hidden feature (the tensor shard's), for the
+    adapters' dropout (model/lora.py ``dropout``)."""
     if adapters is None:
         return (ACTIVATIONS[activation](x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
-    (gate, up, down), scale = adapters
+    (gate, up, down), scale, rate = adapters
 
-    def project(x, w, pair):
+    def project(x, w, pair, name, offset=None):
         y = x @ w
-        return y if pair is None else y + lora_lib.delta(x, *pair, scale)
+        if pair is None:
+            return y
+        x = lora_lib.dropout(x, rate, lora_lib.salt(name), 1, ids, offset)
+        return y + lora_lib.delta(x, *pair, scale)
 
-    h = ACTIVATIONS[activation](project(x_BLD, w_gate_DF, gate)) * project(x_BLD, w_up_DF, up)
-    return project(h, w_down_FD, down)
+    h = (ACTIVATIONS[activation](project(x_BLD, w_gate_DF, gate, "lora_gate"))
+         * project(x_BLD, w_up_DF, up, "lora_up"))
+    return project(h, w_down_FD, down, "lora_down", offset)
 
 
 class Block(nnx.Module):
@@ -324,16 +338,23 @@ class Block(nnx.Module):
         specs = (P(), P(None, "tensor"), P(None, "tensor"), P("tensor", None))
         adapters = self.mlp.adapters(c)
         if adapters is not None:  # A along its input's split, B along its output's
-            pairs, lora_scale = adapters
+            pairs, lora_scale, rate = adapters
             weights += (pairs,)
             specs += (tuple(None if p is None else s for p, s in zip(pairs, (
                 (P(), P(None, "tensor")), (P(), P(None, "tensor")), (P("tensor", None), P())))),)
+        # the adapters' dropout, in a train step: each chunk's tokens' ids go with it
+        ids_BL = lora_lib.dropping_ids() if adapters is not None and rate else None
+        arrays = (x_BLD,) if ids_BL is None else (x_BLD, ids_BL)
 
-        def mlp(w, x_BcD, axis):
+        def mlp(w, x_BcD, *ids, axis):
             scale, w_gate, w_up, w_down = w[:4]
-            ad = None if adapters is None else (w[4], lora_scale)
-            y_BcD = gated_mlp(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act, ad)
+            ad = None if adapters is None else (w[4], lora_scale, rate)
+            # this shard's first hidden feature: the down adapter's input is split over tensor
+            offset = (jax.lax.axis_index(axis) * w_down.shape[0]) if axis and ids else None
+            y_BcD = gated_mlp(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act, ad,
+                              ids[0] if ids else None, offset)
             return jax.lax.psum(y_BcD, axis) if axis else y_BcD  # partial over ffn_dim / tensor
 
         # the post-norm needs the whole of D after the psum: it runs outside the chunks
-        return x_BLD + post(map_chunks(mlp, weights, specs, (x_BLD,), self.mlp_chunk, self.mesh))
+        return x_BLD + post(map_chunks(mlp, weights, specs, arrays, self.mlp_chunk, self.mesh,
+                                       out_rank=3))

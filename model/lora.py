@@ -20,6 +20,8 @@ no optimizer state (training/state.py), optionally held in bf16 (``train.lora.ba
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -29,7 +31,8 @@ from flax import nnx
 
 from errors import ConfigError
 
-# PEFT's target module name -> (the module holding the projection, its weight, our adapter name)
+# PEFT's target module name -> (the module holding the projection, its weight, our adapter name);
+# each one's index is its dropout mask's salt
 TARGETS = {"q_proj": ("attn", "wq", "lora_q"), "k_proj": ("attn", "wk", "lora_k"),
            "v_proj": ("attn", "wv", "lora_v"), "o_proj": ("attn", "wo", "lora_o"),
            "gate_proj": ("mlp", "w_gate", "lora_gate"), "up_proj": ("mlp", "w_up", "lora_up"),
@@ -118,9 +121,6 @@ def check(config) -> None:
                           f"rank, or alpha / sqrt(rank) with rslora)")
     if not 0 <= float(lora.dropout) < 1:
         raise ConfigError(f"train.lora.dropout={lora.dropout!r} must be in [0, 1)")
-    if float(lora.dropout):
-        raise ConfigError(f"train.lora.dropout={lora.dropout!r}: dropout on the adapters' input "
-                          f"is not built yet; 0 trains them as PEFT does with lora_dropout=0")
     bad = [s for s in names(lora.modules_to_save) if s not in SAVABLE]
     if bad:
         raise ConfigError(f"train.lora.modules_to_save: unknown module {bad[0]!r}; name some of "
@@ -131,25 +131,111 @@ def check(config) -> None:
 
 
 class Adapter(nnx.Module):
-    """``scale * (x @ A) @ B`` for a projection whose input axes are ``in_shape`` (the last of
-    x) and whose output axes are ``out_shape``."""
+    """``scale * (dropout(x) @ A) @ B`` for a projection whose input axes are ``in_shape`` (the
+    last of x) and whose output axes are ``out_shape``; ``salt`` tells its dropout mask from
+    the other projections'."""
 
-    def __init__(self, rngs: nnx.Rngs, in_shape, in_axes, out_shape, out_axes, spec: Spec):
+    def __init__(self, rngs: nnx.Rngs, in_shape, in_axes, out_shape, out_axes, spec: Spec,
+                 salt: int = 0):
         bound = 1.0 / math.sqrt(math.prod(in_shape))
         self.a = nnx.Param(jax.random.uniform(rngs.params(), (*in_shape, spec.rank), jnp.float32,
                                               -bound, bound), axes=(*in_axes, "lora"))
         self.b = nnx.Param(jnp.zeros((spec.rank, *out_shape), jnp.float32),
                            axes=("lora", *out_axes))
-        self.scale, self.inputs = spec.scale, len(in_shape)
+        self.scale, self.rate, self.salt, self.inputs = spec.scale, spec.dropout, salt, len(in_shape)
 
     def __call__(self, x, dtype):
+        x = dropout(x, self.rate, self.salt, self.inputs)
         return delta(x, self.a[...].astype(dtype), self.b[...].astype(dtype), self.scale)
+
+
+# ----------------------------------------------------------------------------- dropout
+# PEFT's lora_dropout: each adapter's input, in training steps only, zeroed with probability p
+# and the rest scaled by 1 / (1 - p). The mask is a hash of the step's seed, the layer, the
+# projection, the token (its row of the global batch and its natural position in the row) and
+# the feature: nothing a mesh, a layout, a strategy or microbatching changes, so a step with
+# dropout is still one device's step. Set while the train step traces (``dropping``), read by
+# each adapter; evaluation, generation and DPO's reference pass never set it.
+_DROPPING: contextvars.ContextVar = contextvars.ContextVar("lora_dropping", default=None)
+
+
+def _mix(x):
+    """A 32-bit integer hash (murmur3's finaliser) of uint32 ``x``, elementwise."""
+    x = x.astype(jnp.uint32)
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def token_ids(rows_B, natural_L):
+    """Each token's identity ``[B, L]`` uint32: a hash of its row of the global batch and its
+    natural position in the row (``natural_L``: the layout's natural index of each slot)."""
+    return _mix(_mix(rows_B.astype(jnp.uint32))[:, None]
+                ^ (natural_L.astype(jnp.uint32)[None, :] * jnp.uint32(0x9E3779B9)))
+
+
+@contextlib.contextmanager
+def dropping(seed, ids_BL):
+    """Dropout on (``seed``: the step's uint32; ``ids_BL``: ``token_ids`` of the tokens the
+    forward runs on, in their layout) while the block traces."""
+    token = _DROPPING.set({"seed": _mix(seed), "ids": ids_BL, "layer": jnp.uint32(0)})
+    try:
+        yield
+    finally:
+        _DROPPING.reset(token)
+
+
+@contextlib.contextmanager
+def in_layer(index):
+    """Inside ``dropping``: the layer whose adapters trace now (a scan's traced index)."""
+    state = _DROPPING.get()
+    if state is None:
+        yield
+        return
+    token = _DROPPING.set({**state, "layer": jnp.asarray(index).astype(jnp.uint32)})
+    try:
+        yield
+    finally:
+        _DROPPING.reset(token)
+
+
+def dropping_ids():
+    """The tokens' ids while dropout is on (a chunked MLP carries them into its chunks), else
+    None."""
+    state = _DROPPING.get()
+    return None if state is None else state["ids"]
+
+
+def dropout(x, rate: float, salt: int, inputs: int, ids=None, offset=None):
+    """``x`` (``[B, L, in...]``, ``inputs`` trailing input axes) with PEFT's dropout at
+    ``rate`` while ``dropping``, else as it is. ``ids``: the tokens' ids where ``x`` holds a
+    chunk of them; ``offset``: the first feature's index where ``x`` holds a slice of them (a
+    shard of a tensor-split input)."""
+    state = _DROPPING.get()
+    if not rate or state is None:
+        return x
+    ids = state["ids"] if ids is None else ids
+    shape = x.shape[-inputs:]
+    features = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape)
+    if offset is not None:
+        features = features + jnp.asarray(offset).astype(jnp.uint32)
+    key = _mix(state["seed"] ^ _mix(state["layer"] * jnp.uint32(0x27D4EB2F) + jnp.uint32(salt)))
+    bits = _mix(ids.reshape(ids.shape + (1,) * inputs) ^ _mix(features ^ key))
+    keep = bits >= jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 def delta(x, a, b, scale: float):
     """``scale * (x @ a) @ b``, ``a``'s leading axes contracting x's last ones."""
     h = jnp.tensordot(x, a, axes=a.ndim - 1)
     return jnp.tensordot(h, b, axes=1) * jnp.asarray(scale, h.dtype)
+
+
+def salt(name: str) -> int:
+    """The dropout salt of our adapter ``name`` (``lora_q``, ...): its target's index."""
+    return [t[2] for t in TARGETS.values()].index(name)
 
 
 def adapter(module, name: str):

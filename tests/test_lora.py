@@ -15,6 +15,7 @@ from parallel.mesh import make_mesh
 from training.state import Trainer
 
 SEQ, BATCH = 64, 4
+STEP = 3  # the optimizer step whose dropout masks the mesh test draws
 
 
 def lora_config(mesh=None, impl="dense", layout="contiguous", microbatches=1, rank=4, **more):
@@ -25,7 +26,8 @@ def lora_config(mesh=None, impl="dense", layout="contiguous", microbatches=1, ra
     c.mesh.update(mesh or {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1})
     c.attention.update(impl=impl, layout=layout, ulysses=2, block_q=8, block_kv=8)
     c.train.update(microbatches=microbatches, loss_chunk=0, warmup_steps=0, lr=1e-2)
-    c.train.lora.update(rank=rank, alpha=8.0, modules_to_save="norm,embed_tokens", **more)
+    c.train.lora.update(rank=rank, alpha=8.0, modules_to_save="norm,embed_tokens",
+                        **{"dropout": 0.25, **more})
     return c
 
 
@@ -51,7 +53,7 @@ def gradients_of(c, params, natural, devices):
     perm = layouts.permutation(c.attention.layout, SEQ, int(mesh.shape["sequence"]), 1)
     batch = jax.device_put({k: v[:, perm] for k, v in natural.items()}, trainer.batch_shardings)
     params = jax.device_put(params, trainer.param_shardings)
-    loss, _, grads, _ = jax.jit(trainer.gradients)(params, batch)
+    loss, _, grads, _ = jax.jit(trainer.gradients)(params, batch, STEP)
     return float(loss), jax.device_get(grads), trainer
 
 
@@ -108,8 +110,10 @@ def test_the_same_step_on_any_mesh_layout_strategy_and_microbatching(
         one_device, impl, layout, mesh, microbatches, chunk):
     """Striped over a ring of 8, and zigzag usp over fsdp 2 x sequence 2 x tensor 2 in 2
     microbatches with the MLP in chunks (its adapters inside the chunks' shard_map; each
-    adapter split as its projection: A along the input's axis, B along the output's): one
-    device's loss and every trained parameter's gradient, within fp32 noise."""
+    adapter split as its projection: A along the input's axis, B along the output's), with
+    dropout 0.25 on the adapters' inputs (its masks a hash of the token, not of where a mesh,
+    layout or microbatch puts it): one device's loss and every trained parameter's gradient,
+    within fp32 noise."""
     params, natural, want_loss, want, _ = one_device
     c = lora_config(mesh, impl, layout, microbatches)
     c.model.mlp_chunk = chunk
@@ -136,8 +140,10 @@ def test_training_leaves_the_base_bitwise_and_keeps_state_for_the_trained_only(o
     params, natural, _, _, trainer = one_device
     state = trainer.init_from(jax.device_put(params, trainer.param_shardings))
     batch = jax.device_put(natural, trainer.batch_shardings)
+    losses = []
     for _ in range(3):
         state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
     assert int(metrics["bad_step"]) == -1
     after = jax.device_get(state.params)
     trained, frozen = lora.split(after, trainer.trained)
@@ -161,8 +167,31 @@ def test_training_leaves_the_base_bitwise_and_keeps_state_for_the_trained_only(o
     assert held["embed"].dtype == np.float32  # modules_to_save train, in fp32
     wq = np.asarray(held["blocks"]["attn"]["wq"])
     state, got = bf16.train_step(state, batch)  # the first step's loss: the base rounded to bf16
-    assert abs(float(got["loss"]) - one_device[2]) < 1e-2 * one_device[2]
+    assert abs(float(got["loss"]) - losses[0]) < 1e-2 * losses[0]
     assert np.array_equal(np.asarray(state.params["blocks"]["attn"]["wq"]), wq)
+
+
+def test_dropout_drops_its_share_scales_the_rest_and_draws_anew_each_step_and_layer():
+    """model/lora.py's dropout: a quarter of the inputs zeroed, the rest times 4/3, the masks
+    of two steps, two layers, two projections and two rows apart (each pair agreeing on about
+    a quarter squared of its zeros, as independent masks do); nothing outside ``dropping``."""
+    import jax.numpy as jnp
+    x = jnp.ones((4, 256, 64), jnp.float32)
+    ids = lora.token_ids(jnp.arange(4), jnp.arange(256))
+    assert lora.dropout(x, 0.25, 0, 1) is x  # not in a train step
+
+    def zeros(step, layer, salt, rows=slice(None)):
+        with lora.dropping(jnp.uint32(step), ids), lora.in_layer(layer):
+            y = np.asarray(lora.dropout(x, 0.25, salt, 1))
+        assert set(np.unique(y)) <= {0.0, np.float32(1 / 0.75)}
+        return (y == 0)[rows]
+
+    base = zeros(1, 0, 0)
+    assert abs(base.mean() - 0.25) < 0.01
+    for other in (zeros(2, 0, 0), zeros(1, 1, 0), zeros(1, 0, 1)):
+        assert abs((base & other).mean() - 0.25**2) < 0.01
+    assert abs((base[0] & base[1]).mean() - 0.25**2) < 0.02  # rows apart
+    np.testing.assert_array_equal(zeros(1, 0, 0), base)  # and the same again
 
 
 @pytest.mark.parametrize("fields,says", [
@@ -170,7 +199,7 @@ def test_training_leaves_the_base_bitwise_and_keeps_state_for_the_trained_only(o
     ({"rank": 70}, "train.lora.rank=70 is above q_proj's size 64 x 64: a rank of at most 64"),
     ({"rank": -1}, "train.lora.rank=-1 must be an int >= 0"),
     ({"alpha": 0.0}, "train.lora.alpha=0.0 must be > 0"),
-    ({"dropout": 0.1}, "train.lora.dropout=0.1: dropout on the adapters' input is not built"),
+    ({"dropout": 1.0}, "train.lora.dropout=1.0 must be in [0, 1)"),
     ({"modules_to_save": "embed_tokens,layernorm"}, "unknown module 'layernorm'; name some of"),
     ({"base_dtype": "float16"}, "train.lora.base_dtype='float16' is not one of float32, bfloat16"),
 ])

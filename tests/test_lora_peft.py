@@ -43,7 +43,7 @@ def world(tmp_path_factory):
     model = hf_model(rng, root / "hf")
     run = import_run(root / "hf", root / "base")
     torch.manual_seed(int(rng.integers(2**31)))
-    theirs = peft_model(root / "hf", r=4, lora_alpha=6, use_rslora=True,
+    theirs = peft_model(root / "hf", r=4, lora_alpha=6, use_rslora=True, lora_dropout=0.05,
                         target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
                         modules_to_save=["norm"])
     theirs.save_pretrained(root / "adapter")
@@ -236,8 +236,8 @@ def test_a_peft_adapter_imports_onto_the_base_run_with_peft_s_logits(world, tmp_
     assert code == 0
     run = open_run(tmp_path / "run")
     lo = run.config.train.lora
-    assert (lo.rank, lo.alpha, lo.rslora, lo.targets, lo.modules_to_save) == (
-        4, 6.0, True, "q_proj,v_proj,o_proj,down_proj", "norm")
+    assert (lo.rank, lo.alpha, lo.rslora, lo.dropout, lo.targets, lo.modules_to_save) == (
+        4, 6.0, True, 0.05, "q_proj,v_proj,o_proj,down_proj", "norm")
     assert run.checkpoints.holds_adapters()
     tokens = world.rng.integers(0, run.config.model.vocab_size, (2, 24))
     ours = our_logits(run, tokens)
@@ -253,6 +253,7 @@ def test_a_peft_adapter_imports_onto_the_base_run_with_peft_s_logits(world, tmp_
     cfg = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(world.hf)
     assert sorted(cfg["target_modules"]) == sorted(["q_proj", "v_proj", "o_proj", "down_proj"])
+    assert cfg["lora_dropout"] == 0.05
 
 
 def test_tied_embeddings_are_one_table_as_peft_ties_them(world, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Sharded train state, its creation, and the pure jitted train / eval steps."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.struct
@@ -207,19 +208,33 @@ class Trainer:
             loss, sums = loss + extra, sums | aux_sums
         return loss, counts, sums
 
-    def gradients(self, params, batch):
+    def gradients(self, params, batch, step=None):
         """(loss, the objective's count, gradients, metrics) of one global batch.
 
         With ``train.microbatches=k`` the batch runs as k sequential microbatches (a scan):
         each adds the gradient of its loss sum over the whole batch's count (tokens, pairs),
-        so the result is the one-batch loss and gradient, with 1/k of the activations."""
+        so the result is the one-batch loss and gradient, with 1/k of the activations.
+        ``step``: the optimizer step, which draws LoRA's dropout masks (none when None)."""
         k = self.config.train.microbatches
         key = self.objective.count_key
         # differentiated with respect to the trained parameters only (all of them without LoRA)
         params, frozen = self._split(params)
+        drops = step is not None and self.lora is not None and self.lora.dropout > 0
+        if drops:  # each token's id, made before the split: a microbatch keeps its rows' ids
+            B, L = batch["tokens"].shape
+            ids = lora.token_ids(jnp.arange(B), self.backend.natural_index(L))
+            batch = {**batch, "lora_ids": jax.lax.with_sharding_constraint(
+                ids, batch_sharding(self.mesh))}
+            seed = (jnp.uint32(self.config.train.seed) * jnp.uint32(0x9E3779B1)
+                    + jnp.asarray(step).astype(jnp.uint32))
+
+        def dropping(b):
+            return lora.dropping(seed, b["lora_ids"]) if drops else contextlib.nullcontext()
+
         if k <= 1:
             def whole(p):
-                loss, counts, sums = self.loss_and_sums(self._join(p, frozen), batch)
+                with dropping(batch):
+                    loss, counts, sums = self.loss_and_sums(self._join(p, frozen), batch)
                 return loss, (counts, sums)
             (loss, (counts, sums)), grads = jax.value_and_grad(whole, has_aux=True)(params)
             return loss, counts[key], grads, self._metrics(sums, counts)
@@ -233,7 +248,8 @@ class Trainer:
             return jax.lax.with_sharding_constraint(x_kBL, self._micro_sharding)
 
         def micro_loss(params, micro):
-            loss, _, sums = self.loss_and_sums(self._join(params, frozen), micro, counts)
+            with dropping(micro):
+                loss, _, sums = self.loss_and_sums(self._join(params, frozen), micro, counts)
             return loss, sums
 
         def body(carry, micro):
@@ -259,7 +275,7 @@ class Trainer:
             k: sums[k] for k in moe.MOE_METRICS if k in sums}
 
     def _train_step(self, state: TrainState, batch):
-        loss, _, grads, extra = self.gradients(state.params, batch)
+        loss, _, grads, extra = self.gradients(state.params, batch, state.step)
         with jax.named_scope("optimizer"):  # training/profile.py's row
             trained, frozen = self._split(state.params)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
