@@ -12,9 +12,9 @@ from errors import ConfigError
 from model import lora
 from parallel import layouts
 from parallel.mesh import make_mesh
+from test_moe import BATCH, SEQ, batch_of  # rows of packed documents, the last one padded
 from training.state import Trainer
 
-SEQ, BATCH = 64, 4
 STEP = 3  # the optimizer step whose dropout masks the mesh test draws
 
 
@@ -29,21 +29,6 @@ def lora_config(mesh=None, impl="dense", layout="contiguous", microbatches=1, ra
     c.train.lora.update(rank=rank, alpha=8.0, modules_to_save="norm,embed_tokens",
                         **{"dropout": 0.25, **more})
     return c
-
-
-def natural_batch(rng):
-    """Rows of two packed documents each, the last row's tail padding (segment 0)."""
-    tokens = rng.integers(0, 128, (BATCH, SEQ)).astype(np.int32)
-    segments = np.ones((BATCH, SEQ), np.int32)
-    segments[:, SEQ // 3:] = 2
-    segments[-1, SEQ - 9:] = 0
-    positions = np.zeros((BATCH, SEQ), np.int32)
-    for r in range(BATCH):
-        for s in (1, 2):
-            positions[r, segments[r] == s] = np.arange((segments[r] == s).sum())
-    mask = ((segments > 0) & (np.roll(segments, -1, 1) == segments)).astype(np.float32)
-    return {"tokens": tokens, "labels": np.roll(tokens, -1, 1), "positions": positions,
-            "segment_ids": segments, "loss_mask": mask}
 
 
 def gradients_of(c, params, natural, devices):
@@ -66,7 +51,7 @@ def one_device():
     trainer = Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))
     shapes = jax.eval_shape(trainer._init, 0).params
     params = jax.tree.map(lambda p: rng.normal(0, 0.3, p.shape).astype(np.float32), shapes)
-    natural = natural_batch(rng)
+    natural = batch_of(rng)
     loss, grads, trainer = gradients_of(c, params, natural, jax.devices()[:1])
     return params, natural, loss, grads, trainer
 
@@ -75,7 +60,7 @@ def test_step_0_is_the_base_model_and_the_base_weights_do_not_depend_on_the_adap
     """B starts at zero and A in PEFT's range; the adapters draw from their own stream, so
     the seed gives the base the same weights with them as without; the losses are the base's
     to the bit."""
-    natural = natural_batch(np.random.default_rng(5))
+    natural = batch_of(np.random.default_rng(5))
     c, plain = lora_config(), lora_config(rank=0)
     mesh = make_mesh(c.mesh, jax.devices()[:1])
     ours, base = Trainer(c, mesh), Trainer(plain, mesh)
