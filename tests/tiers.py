@@ -153,6 +153,18 @@ SLOW = {
         "a train step compiled (about 5 CPU s; test_faults.py's program)",
     "test_preference.py::test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports":
         "three DPO runs (train.py's entry, in process) and an export",
+    # LoRA (the refusals, the dropout masks and step 0 as the base stay in the quick tier)
+    "test_lora.py::test_the_same_step_on_any_mesh_layout_strategy_and_microbatching":
+        "a LoRA step on one device and two meshes of 8, with dropout",
+    "test_lora.py::test_training_leaves_the_base_bitwise_and_keeps_state_for_the_trained_only":
+        "LoRA train steps compiled, fp32 and bf16 bases",
+    "test_lora_peft.py": "PEFT on torch beside exports, imports and a step",
+    "test_sft.py::test_a_lora_run_starts_at_the_base_trains_its_adapters_alone_and_resumes_exactly":
+        "two LoRA chat runs (train.py's entry, in process)",
+    "test_preference.py::test_dpo_with_adapters_starts_at_ln2_steps_and_its_reference_is_the_base":
+        "a LoRA DPO step compiled and two reference passes",
+    "test_plan.py::test_a_lora_plan_holds_optimizer_state_for_the_trained_parameters_only":
+        "a LoRA step compiled for 8 devices",
 }
 
 # The surface whose behaviour depends on JAX's version, for `make test-next`: Pallas (interpret
