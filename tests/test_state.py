@@ -137,8 +137,8 @@ def test_microbatches_equal_the_single_batch_step():
     seen = {}
     gradients = trainer.gradients
 
-    def spied(params, batch):
-        seen["gradients"] = gradients(params, batch)
+    def spied(params, batch, step=None):
+        seen["gradients"] = gradients(params, batch, step)
         return seen["gradients"]
 
     trainer.gradients = spied
