@@ -3,6 +3,7 @@ SmolLM2-135M-Instruct GGUF file from the wheel on the package index, imported, a
 transformers' own GGUF loader reading the same file: logits on real English prose within fp32
 noise, the same greedy tokens, the same token ids (digits split one by one), and the
 perplexity of a trained model (tens, not the 49,152 of a random one)."""
+import functools
 import math
 import os
 import pathlib
@@ -33,9 +34,17 @@ def smollm2(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "run"
     assert get_smollm2.main(["--out", str(out), "--cache", str(CACHE)]) == 0
     path = get_smollm2.gguf_file(CACHE, print)
-    theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # transformers' loader, unchanged, with two of gguf's pure functions memoized: it parses the
+    # file once for the model's config, once for its weights and once for the tokenizer, and
+    # builds gguf's tensor-name table once per submodule (397 here): about 10 CPU s of the 30
+    # it takes. What it computes is its own.
+    import gguf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                      dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return open_run(out), theirs, tok
 
 
