@@ -84,7 +84,7 @@ def test_step_0_is_the_base_model_and_the_base_weights_do_not_depend_on_the_adap
 
 # The adapters are projections, outside attention: one mesh that splits everything they touch
 # (fsdp, tensor, the sequence in a permuted layout, microbatches, the chunked MLP's shard_map).
-# A ring of 8 in the striped layout takes the adapters' first step in test_sft's LoRA run.
+# (test_sft's LoRA run trains them striped over a ring of 8, its first step one device's.)
 MESHES = [  # (impl, layout, mesh, microbatches, mlp_chunk)
     ("usp", "zigzag", {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 2, 8),
 ]
