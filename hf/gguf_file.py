@@ -292,9 +292,7 @@ def _dequantize_blocks(raw: np.ndarray, kind: str) -> np.ndarray:
         ml = (_f32(b["dmin"]) * (scales >> 4).astype(np.float32)).reshape(n, 16, 1)
         shift = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         q = ((b["qs"].reshape(n, -1, 1, 32) >> shift) & np.uint8(3)).reshape(n, 16, 16)
-        out = np.multiply(dl, q, dtype=np.float32)
-        out -= ml
-        return out.reshape(n, -1)
+        return _scale_less_min(dl, q, ml, n)
     if kind == "Q3_K":
         b = _blocks(raw, ("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12),
                     ("d", "<f2"))
@@ -327,9 +325,7 @@ def _dequantize_blocks(raw: np.ndarray, kind: str) -> np.ndarray:
             qh = (b["qh"].reshape(n, -1, 1, 32)
                   >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(n, -1, 32)
             q |= (qh & np.uint8(1)) << np.uint8(4)
-        out = np.multiply(d, q, dtype=np.float32)
-        out -= dm
-        return out.reshape(n, -1)
+        return _scale_less_min(d, q, dm, n)
     if kind == "Q6_K":
         b = _blocks(raw, ("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16),
                     ("d", "<f2"))
@@ -342,6 +338,14 @@ def _dequantize_blocks(raw: np.ndarray, kind: str) -> np.ndarray:
         q = (q.view(np.int8) - np.int8(32)).reshape(n, 16, 16)
         return np.multiply(d, q, dtype=np.float32).reshape(n, -1)
     raise NotImplementedError(f"dequantization of {kind} is not implemented here")
+
+
+def _scale_less_min(d, q, m, n: int):
+    """The k-quants' ``d * q - m`` per sub-block in float32, in that order (the gguf package's),
+    as ``n`` rows."""
+    out = np.multiply(d, q, dtype=np.float32)
+    out -= m
+    return out.reshape(n, -1)
 
 
 def dequantize(raw: np.ndarray, kind: str) -> np.ndarray:
