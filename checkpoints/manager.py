@@ -235,15 +235,10 @@ class Checkpoints:
             tree = self._meta(steps[-1] if step is None else step)[1]
         except Exception:  # unreadable: the restore that follows says why
             return False
-        found = []
-
-        def visit(node):
-            if isinstance(node, dict):
-                for k, v in node.items():
-                    found.append(str(k).startswith("lora_"))
-                    visit(v)
-        visit(tree.get("params") if isinstance(tree, dict) else None)
-        return any(found)
+        def holds(node) -> bool:
+            return isinstance(node, dict) and any(
+                str(k).startswith("lora_") or holds(v) for k, v in node.items())
+        return holds(tree.get("params") if isinstance(tree, dict) else None)
 
     def _meta(self, step: int) -> tuple[dict, Any]:
         """(run metadata, stored tree metadata of the state item) of one step."""

@@ -74,12 +74,6 @@ def projections(m, targets) -> list[tuple[str, str, tuple[str, ...]]]:
     return out
 
 
-def _get(tree: dict, path: tuple):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 def _whole(m) -> list[tuple[str, tuple, int | None, str]]:
     """(HF name, our path, layer or None, hf/weights.py kind) of every weight that
     ``modules_to_save`` can name whole: the embeddings, the head, each layer's norms (and what
@@ -98,10 +92,6 @@ def _saved(entries, m) -> list[tuple[str, tuple, int | None, str]]:
     """The whole weights PEFT saves for ``modules_to_save`` ``entries`` (its own rule: a module
     whose name ends with an entry)."""
     return [w for w in _whole(m) if any(_module(w[0]).endswith(e) for e in entries)]
-
-
-def _norm_path(path: tuple) -> bool:
-    return any(str(k).endswith("norm") for k in path)
 
 
 def peft_modules_to_save(spec: lora.Spec, m) -> tuple[list[str], bool]:
@@ -137,14 +127,14 @@ def to_peft(params: dict, spec: lora.Spec, m, dtype=np.float32) -> dict[str, np.
     out = {}
     for i in range(m.num_layers):
         for _, module, path in projections(m, spec.targets):
-            ad = _get(params, path)
+            ad = weights._get(params, path)
             a, b = np.asarray(ad["a"][i]), np.asarray(ad["b"][i])
             name = PREFIX + weights.LAYER.format(i=i) + module
             out[name + A] = a.reshape(-1, a.shape[-1]).T
             out[name + B] = b.reshape(b.shape[0], -1).T
     entries, _ = peft_modules_to_save(spec, m)
     for hf_name, path, i, kind in _saved(entries, m):
-        w = np.asarray(_get(params, path))
+        w = np.asarray(weights._get(params, path))
         out[PREFIX + hf_name] = weights._to_hf(w if i is None else w[i], kind)
     if bool(m.get("tie_embeddings", False)) and PREFIX + "model.embed_tokens.weight" in out:
         out[PREFIX + "lm_head.weight"] = out[PREFIX + "model.embed_tokens.weight"]
@@ -174,9 +164,9 @@ def merge(params: dict, spec: lora.Spec) -> dict:
     def visit(node):
         if not isinstance(node, dict):
             return node
-        out = {k: visit(v) for k, v in node.items() if not str(k).startswith("lora_")}
+        out = {k: visit(v) for k, v in node.items() if not lora.is_adapter((k,))}
         for k, ad in node.items():
-            if not str(k).startswith("lora_"):
+            if not lora.is_adapter((k,)):
                 continue
             w = np.asarray(out[weight_of[k]])
             merged = np.empty_like(w)
@@ -331,7 +321,7 @@ def _our_modules_to_save(entries, m, where) -> list[str]:
     one line for an entry that saves what does not train whole here, or only some norms."""
     tied = bool(m.get("tie_embeddings", False))
     whole = _whole(m)
-    norms = {(w[1], w[2]) for w in whole if _norm_path(w[1])}
+    norms = {(w[1], w[2]) for w in whole if lora.is_norm(w[1])}
     ours: list[str] = []
     for e in entries:
         picked = _saved([e], m)
@@ -344,12 +334,12 @@ def _our_modules_to_save(entries, m, where) -> list[str]:
                 kinds.add("lm_head" if hf_name == "lm_head.weight" else "embed_tokens")
             elif path == ("head",):
                 kinds.add("lm_head")
-            elif _norm_path(path):
+            elif lora.is_norm(path):
                 kinds.add("norm")
             else:
                 raise ConversionError(f"{where}: modules_to_save entry {e!r} saves {hf_name} whole; "
                                       f"only embed_tokens, lm_head and the norms train whole here")
-        got_norms = {(w[1], w[2]) for w in picked if _norm_path(w[1])}
+        got_norms = {(w[1], w[2]) for w in picked if lora.is_norm(w[1])}
         if got_norms and got_norms != norms:
             raise ConversionError(f"{where}: modules_to_save entry {e!r} saves {len(got_norms)} of "
                                   f"the model's {len(norms)} norms; train.lora.modules_to_save's "
@@ -364,11 +354,11 @@ def from_peft(tensors, fields: dict, m, base: dict, abstract: dict) -> dict:
     """``base`` (our params, numpy, no adapters) with the adapter's saved weights in place of
     the base's and its adapters beside them, shaped as ``abstract`` (the params of the config
     with ``fields`` as train.lora); one line naming a tensor whose shape does not fit."""
-    targets = tuple(lora.TARGETS) if fields["targets"] == lora.ALL_LINEAR else tuple(
-        fields["targets"].split(","))
-    params = _copy(base)
+    import jax
+    targets = lora.target_names(fields["targets"])
+    params = jax.tree.map(lambda a: a, base)  # new dicts, the same arrays
     for t, module, path in projections(m, targets):
-        want = _get(abstract, path)
+        want = weights._get(abstract, path)
         a_shape, b_shape = tuple(want["a"].shape), tuple(want["b"].shape)
         r = a_shape[-1]
         fan_in, fan_out = math.prod(a_shape[1:-1]), math.prod(b_shape[2:])
@@ -383,18 +373,15 @@ def from_peft(tensors, fields: dict, m, base: dict, abstract: dict) -> dict:
                         f"but this run's {t} at rank {r} takes {shape}: an adapter for another "
                         f"model shape or rank")
                 stacks[key].append(got.astype(np.float32).T)
-        node = params
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = {"a": np.stack(stacks["a"]).reshape(a_shape),
-                          "b": np.stack(stacks["b"]).reshape(b_shape)}
+        weights._set(params, path, {"a": np.stack(stacks["a"]).reshape(a_shape),
+                                    "b": np.stack(stacks["b"]).reshape(b_shape)})
     tied = bool(m.get("tie_embeddings", False))
     names = set(tensors.names())
     expected = weights._expected(m)
     for hf_name, path, i, kind in _whole(m):
         if hf_name not in names or (tied and hf_name == "lm_head.weight"):
             continue
-        want = np.asarray(_get(params, path))
+        want = np.asarray(weights._get(params, path))
         shape = expected.get(hf_name, expected["model.embed_tokens.weight"])
         if tuple(tensors[hf_name].shape) != tuple(shape):
             raise ConversionError(f"{WEIGHTS}: tensor {PREFIX + hf_name} has shape "
@@ -402,11 +389,11 @@ def from_peft(tensors, fields: dict, m, base: dict, abstract: dict) -> dict:
                                   f"{tuple(shape)}: an adapter for another model shape")
         value = weights._to_ours(np.asarray(tensors[hf_name]), kind, m)
         if i is None:
-            _put(params, path, value.astype(want.dtype))
+            weights._set(params, path, value.astype(want.dtype))
         else:
             stacked = want.copy()
             stacked[i] = value
-            _put(params, path, stacked)
+            weights._set(params, path, stacked)
     if tied and "lm_head.weight" in names:  # one table: a head apart from it cannot be held
         head = np.asarray(tensors["lm_head.weight"], np.float32)
         if head.shape == params["embed"].shape and not np.array_equal(head, params["embed"]):
@@ -414,13 +401,3 @@ def from_peft(tensors, fields: dict, m, base: dict, abstract: dict) -> dict:
                                   f"which this run ties (model.tie_embeddings); an adapter that "
                                   f"unties them does not convert")
     return params
-
-
-def _copy(tree):
-    return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
-def _put(tree: dict, path: tuple, value):
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value

@@ -67,17 +67,19 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in str(text or "").split(",") if n.strip())
 
 
+def target_names(text: str) -> tuple[str, ...]:
+    """``train.lora.targets`` as PEFT names in TARGETS' order (all-linear: every one)."""
+    listed = names(text)
+    return tuple(t for t in TARGETS if t in listed or ALL_LINEAR in listed)
+
+
 def spec_of(config) -> Spec | None:
     """The run's adapters (``config.train.lora``), or None when ``rank`` is 0 (every weight
     trains). Assumes configs/validate.py's ``check`` passed."""
     lora = config.train.get("lora")
     if lora is None or not int(lora.rank):
         return None
-    targets = names(lora.targets)
-    if targets == (ALL_LINEAR,):
-        targets = tuple(TARGETS)
-    return Spec(rank=int(lora.rank), alpha=float(lora.alpha),
-                targets=tuple(t for t in TARGETS if t in targets),
+    return Spec(rank=int(lora.rank), alpha=float(lora.alpha), targets=target_names(lora.targets),
                 modules_to_save=names(lora.modules_to_save), rslora=bool(lora.rslora),
                 dropout=float(lora.dropout))
 
@@ -99,8 +101,7 @@ def check(config) -> None:
         raise ConfigError(f"train.lora.targets={lora.targets!r}: "
                           f"{'unknown module ' + repr(unknown[0]) if unknown else 'none given'}; "
                           f"name some of {', '.join(TARGETS)} (PEFT's names), or {ALL_LINEAR}")
-    if ALL_LINEAR in targets:
-        targets = tuple(TARGETS)
+    targets = target_names(lora.targets)
     hd = m.head_dim or m.d_model // m.num_heads
     sizes = {"q_proj": (m.d_model, m.num_heads * hd), "k_proj": (m.d_model, m.num_kv_heads * hd),
              "v_proj": (m.d_model, m.num_kv_heads * hd), "o_proj": (m.num_heads * hd, m.d_model),
@@ -245,37 +246,50 @@ def adapter(module, name: str):
 
 # ----------------------------------------------------------------------------- trained and frozen
 
+def is_adapter(path) -> bool:
+    """Whether a parameter's ``path`` (keys of the pure params dict) is inside an adapter."""
+    return any(str(k).startswith("lora_") for k in path)
+
+
+def is_norm(path) -> bool:
+    """Whether ``path`` is an RMSNorm's scale (modules_to_save's ``norm``)."""
+    return any(str(k).endswith("norm") for k in path)
+
+
 def path_trains(path: tuple[str, ...], spec: Spec, tied: bool) -> bool:
-    """Whether the parameter at ``path`` (keys of the pure params dict) trains under ``spec``:
-    an adapter, or a weight ``modules_to_save`` names (``tied``: the table is also the head)."""
-    if any(str(k).startswith("lora_") for k in path):
-        return True
+    """Whether the parameter at ``path`` trains under ``spec``: an adapter, or a weight
+    ``modules_to_save`` names (``tied``: the table is also the head)."""
     saved = spec.modules_to_save
-    if "norm" in saved and any(str(k).endswith("norm") for k in path):
+    if is_adapter(path) or ("norm" in saved and is_norm(path)):
         return True
     if path[0] == "embed" and ("embed_tokens" in saved or (tied and "lm_head" in saved)):
         return True
     return path[0] == "head" and "lm_head" in saved
 
 
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", k) for k in path)
+
+
+def mask(params: dict, where) -> dict:
+    """``params``' nested dict with ``where(path)`` at each leaf."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: where(_keys(p)), params)
+
+
 def trained_mask(params: dict, spec: Spec, tied: bool) -> dict:
     """``params``' nested dict with True where a leaf trains (adapters, modules_to_save)."""
-    def visit(node, path):
-        if isinstance(node, dict):
-            return {k: visit(v, (*path, k)) for k, v in node.items()}
-        return path_trains(path, spec, tied)
-    return visit(params, ())
+    return mask(params, lambda path: path_trains(path, spec, tied))
 
 
-def split(params: dict, mask: dict) -> tuple[dict, dict]:
-    """(the leaves where ``mask`` is True, the rest), each a nested dict of ``params``' shape
-    without the other's leaves (empty dicts dropped)."""
+def split(params: dict, where: dict) -> tuple[dict, dict]:
+    """(the leaves where the mask ``where`` is True, the rest), each a nested dict of
+    ``params``' shape without the other's leaves (empty dicts dropped)."""
     def part(node, m, want):
         if isinstance(node, dict):
             out = {k: part(v, m[k], want) for k, v in node.items()}
             return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
         return node if bool(m) == want else {}
-    return part(params, mask, True), part(params, mask, False)
+    return part(params, where, True), part(params, where, False)
 
 
 def join(a: dict, b: dict) -> dict:
@@ -287,31 +301,18 @@ def join(a: dict, b: dict) -> dict:
 
 
 def adapters_only(params: dict) -> dict:
-    """The adapter leaves of ``params`` (a nested dict; empty where it has none)."""
-    def visit(node, inside):
-        if isinstance(node, dict):
-            out = {k: visit(v, inside or str(k).startswith("lora_")) for k, v in node.items()}
-            return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
-        return node if inside else {}
-    out = visit(params, False)
-    return out if isinstance(out, dict) else {}
+    """The adapter leaves of ``params`` (empty where it has none)."""
+    return split(params, mask(params, is_adapter))[0]
 
 
 def without_adapters(params: dict) -> dict:
     """``params`` less its adapters: the base model's tree."""
-    def visit(node):
-        if isinstance(node, dict):
-            return {k: visit(v) for k, v in node.items() if not str(k).startswith("lora_")}
-        return node
-    return visit(params)
+    return split(params, mask(params, is_adapter))[1]
 
 
 def switched_off(params: dict) -> dict:
     """``params`` with every adapter's B at zero: the base model's function (DPO's reference)."""
-    def visit(node, inside):
-        if isinstance(node, dict):
-            return {k: (jnp.zeros_like(v) if inside and k == "b" else
-                        visit(v, inside or str(k).startswith("lora_")))
-                    for k, v in node.items()}
-        return node
-    return visit(params, False)
+    def off(path, v):
+        path = _keys(path)
+        return jnp.zeros_like(v) if is_adapter(path) and path[-1] == "b" else v
+    return jax.tree_util.tree_map_with_path(off, params)
