@@ -29,6 +29,12 @@ def load(path: str, overrides=()):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(argument) if colon else module.get_config()
+    return apply_overrides(config, overrides)
+
+
+def apply_overrides(config, overrides=()):
+    """``config`` with each ``"a.b=value"`` of ``overrides`` set, typed like the field it
+    replaces (``set_field``)."""
     for item in overrides:
         dotted, eq, text = item.partition("=")
         if not eq:

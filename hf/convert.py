@@ -468,7 +468,7 @@ def import_adapter(adapter: str | pathlib.Path, base_run: str | pathlib.Path,
     import jax
 
     from checkpoints.rundir import open_run
-    from configs.loading import set_field
+    from configs.loading import apply_overrides
     from errors import ConfigError
     from hf import peft
     from model import lora
@@ -487,11 +487,7 @@ def import_adapter(adapter: str | pathlib.Path, base_run: str | pathlib.Path,
     fields, lines = peft.lora_fields(cfg, tensors, m, where)
     config = run.config.copy_and_resolve_references()
     config.train.lora.update(fields)
-    for item in overrides:
-        dotted, eq, text = item.partition("=")
-        if not eq:
-            raise ConversionError(f"--config.{item} is not --config.FIELD=VALUE")
-        set_field(config, dotted, text)
+    apply_overrides(config, overrides)
     try:
         lora.check(config)
     except ConfigError as e:
