@@ -38,10 +38,10 @@ class ShardedModel:
 
 
 def lora_counts(config) -> dict | None:
-    """The run's parameter counts under its adapters, from the model's shapes alone (no
-    weights): ``adapters``, ``trained`` (adapters and modules_to_save), ``frozen``, and
-    ``frozen_matmul`` (matmul weights whose own gradient the backward never computes: the
-    planner's step time); None without adapters."""
+    """The run's adapters (``rank``, ``targets``) and parameter counts under them, from the
+    model's shapes alone (no weights): ``adapters``, ``trained`` (adapters and
+    modules_to_save), ``frozen``, and ``frozen_matmul`` (matmul weights whose own gradient the
+    backward never computes: the planner's step time); None without adapters."""
     spec = lora_lib.spec_of(config)
     if spec is None:
         return None
@@ -53,6 +53,7 @@ def lora_counts(config) -> dict | None:
     size = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))  # noqa: E731
     head_trains = "lm_head" in spec.modules_to_save or (tied and "embed_tokens" in
                                                          spec.modules_to_save)
-    return {"adapters": size(lora_lib.adapters_only(abstract)), "trained": size(trained),
+    return {"rank": spec.rank, "targets": list(spec.targets),
+            "adapters": size(lora_lib.adapters_only(abstract)), "trained": size(trained),
             "frozen": size(frozen),
             "frozen_matmul": matmul_params(m) - (m.vocab_size * m.d_model if head_trains else 0)}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-from model import lora
 from model.sharded import lora_counts
 from model.decoder import REMAT as REMATS
 from planning import collectives as coll
@@ -101,9 +100,7 @@ def make_plan(config, mesh_sizes: dict, seq_len: int, rows_per_replica: int, har
                 if moe_experts(m) else None),
         # LoRA (model/lora.py): adapter, trained (adapters + modules_to_save) and frozen counts;
         # the compiled memory holds optimizer state for the trained ones only
-        "lora": (None if lora.spec_of(base) is None else
-                 {"rank": lora.spec_of(base).rank, "targets": list(lora.spec_of(base).targets),
-                  **lora_counts(base)}),
+        "lora": lora_counts(base),
         "num_layers": m.num_layers,
         # each layer's attention (model.layer_types): the step time and FLOPs sum them
         "layer_pattern": pattern.describe(m),

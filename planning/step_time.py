@@ -35,7 +35,6 @@ import dataclasses
 
 import numpy as np
 
-from model import lora
 from model.sharded import lora_counts
 from model.flops import (flops_per_token, head_dim, matmul_params, mlp_matmul_params,
                          total_matmul_params, window_counts)
@@ -268,7 +267,7 @@ def dense_time(config, num_devices: int, global_rows: int, hw: Hardware, remat: 
         if f > 1:
             share = (f - 1) / f / mesh_sizes["tensor"]
             # (LoRA: no gradient to reduce-scatter for the frozen weights)
-            grads = 4 if lora.spec_of(config) is None else 0
+            grads = 4 if adapters is None else 0
             traffic = share * (2 * 2 + grads) * total_matmul_params(m)
             comm = traffic / link_bandwidth(hw, axis_crosses_nodes(mesh_sizes, "fsdp", hw))
         source = "analytic FSDP estimate"

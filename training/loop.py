@@ -175,9 +175,8 @@ def _train(config, workdir, trainer, pipe, ckpts, log, mesh, start, state, meta)
     active = (f" ({active_param_count(m) / 1e6:.1f}M active: {k} of {n} experts a token)"
               if n > 1 else "")
     if trainer.lora is not None:  # what trains of it (model/lora.py)
-        trained = sum(math.prod(a.shape) for a in jax.tree.leaves(
-            trainer._split(trainer.abstract_state.params)[0]))
-        active += f" ({trained / 1e6:.2f}M trained: LoRA rank {trainer.lora.rank}, the rest frozen)"
+        active += (f" ({trainer.trained_count / 1e6:.2f}M trained: LoRA rank "
+                   f"{trainer.lora.rank}, the rest frozen)")
     log.write(f"model: {param_count(m) / 1e6:.1f}M params{active}, {layers}{flops_tok:.3g} FLOP/token; "
               f"mesh {dict(mesh.shape)}; attention {config.attention.impl}/"
               f"{config.attention.layout}, kernel {kernel_note(trainer, mesh, config)}; "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import flax.struct
@@ -68,6 +69,7 @@ class Trainer:
                 self.trained)
         self._base_dtypes = jax.tree.map(lambda a: a.dtype, abstract_pure)
         trained_pure = self._split(abstract_pure)[0]
+        self.trained_count = sum(math.prod(a.shape) for a in jax.tree.leaves(trained_pure))
         self.trained_shardings = self._split(self.param_shardings)[0]
         self.optimizer = make_optimizer(config.train, self._split(
             decay_mask(self.sharded.abstract_state))[0])
