@@ -169,10 +169,10 @@ def test_merge_folds_scale_a_b_into_each_projection(rng):
 
 
 def test_a_step_s_loss_and_adapter_gradients_are_peft_s(world):
-    """The loss (mean next-token cross-entropy) and the gradients of every A and B: ours from
-    the Decoder built with the adapters' Spec (the frozen rest apart, as training/state.py
-    splits it) against PEFT's LoRA model in torch, from the same A and B: PEFT's own start (B
-    zero: the base's logits, A's gradient zero) and B random."""
+    """The loss (mean next-token cross-entropy) and the gradients of every A and B: ours (fp32)
+    from the Decoder built with the adapters' Spec (the frozen rest apart, as training/state.py
+    splits it) against PEFT's LoRA model in torch in float64, from the same A and B: PEFT's own
+    start (B zero: the base's logits, A's gradient zero) and B random."""
     fields = {"rank": 4, "alpha": 16.0, "rslora": False, "dropout": 0.0, "targets": "all-linear",
               "modules_to_save": ""}
     base_run = world.run
@@ -197,7 +197,9 @@ def test_a_step_s_loss_and_adapter_gradients_are_peft_s(world):
 
     torch.manual_seed(int(world.rng.integers(2**31)))
     for nonzero in (False, True):
-        theirs = peft_model(world.hf, nonzero, r=4, lora_alpha=16, target_modules=ALL)
+        # the reference in float64: PEFT's own weights (fp32 values, exact in float64) run
+        # in float64, ours in fp32 from the same values
+        theirs = peft_model(world.hf, nonzero, r=4, lora_alpha=16, target_modules=ALL).double()
         named = hf_peft.named({k: v.detach().numpy() for k, v in
                                get_peft_model_state_dict(theirs).items()})
         params = hf_peft.from_peft(named, fields, m, base, abstract)
