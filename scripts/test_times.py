@@ -51,6 +51,19 @@ def per_worker(rows: list[dict]) -> list[tuple[str, int, float, float]]:
     return sorted((w, n, busy, end) for w, (n, busy, end) in acc.items())
 
 
+PHASES = ("trace", "lower", "compile")
+
+
+def jax_phases(rows: list[dict]) -> dict[str, float] | None:
+    """Seconds the pytest workers spent tracing, lowering and compiling (JAX's own timings, wall
+    time, in-process only) and the compilation cache's hits and misses, summed; None for lines
+    written before conftest recorded them."""
+    timed = [r for r in rows if all(k in r for k in PHASES)]
+    if not timed:
+        return None
+    return {k: sum(r.get(k, 0) for r in timed) for k in (*PHASES, "hits", "misses")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("path")
@@ -69,6 +82,13 @@ def main(argv=None) -> int:
     print("\n| file | tests | CPU min | wall min (summed over workers) |\n|---|---|---|---|")
     for f, n, cpu, wall in per_file(rows):
         print(f"| {f.split('/')[-1]} | {n} | {cpu * k / 60:.2f} | {wall * k / 60:.2f} |")
+    phases = jax_phases(rows)
+    if phases:
+        compiles = phases["hits"] + phases["misses"]
+        print(f"\nIn the pytest workers (JAX's timings, wall): tracing {phases['trace'] * k / 60:.2f}"
+              f" min, lowering {phases['lower'] * k / 60:.2f}, XLA compiles "
+              f"{phases['compile'] * k / 60:.2f}; the compilation cache answered "
+              f"{phases['hits']:.0f} of {compiles:.0f} compiles")
     workers = per_worker(rows)
     if workers:
         print("\n| worker | tests | busy min | last test ends (min) |\n|---|---|---|---|")

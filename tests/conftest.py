@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -74,6 +75,16 @@ if "STRIPEDJAX_TEST_SHARED" not in os.environ:
 
 import numpy as np  # noqa: E402  (after the environment above: nothing here imports jax)
 import pytest  # noqa: E402
+
+from training.entry import GC_THRESHOLDS, settle_gc  # noqa: E402  (imports no jax)
+
+# The collector as the entry points tune it (training/entry.py): fewer full collections while the
+# test modules import, then what they imported frozen once collected.
+gc.set_threshold(*GC_THRESHOLDS)
+
+
+def pytest_collection_finish(session):
+    settle_gc()
 
 
 @pytest.fixture
@@ -178,8 +189,39 @@ if os.environ.get("STRIPEDJAX_TEST_CPU"):
     import resource
     import time
 
+    # JAX's own timings of this process's tracing, lowering and XLA compiles (wall seconds,
+    # cache reads inside the compile's), to tell what a test's CPU went on.
+    _JAX_PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                   "/jax/core/compile/backend_compile_duration": "compile"}
+    # and how many of its compiles the run's compilation cache answered
+    _JAX_COUNTS = {"/jax/compilation_cache/cache_hits": "hits",
+                   "/jax/compilation_cache/cache_misses": "misses"}
+    _phases = dict.fromkeys([*_JAX_PHASES.values(), *_JAX_COUNTS.values()], 0.0)
+    _listening = []
+
+    def _listen() -> None:
+        """Once jax is imported (the test modules import it at collection)."""
+        if _listening or "jax" not in sys.modules:
+            return
+        from jax import monitoring
+
+        def add(event, seconds, **_):
+            if event in _JAX_PHASES:
+                _phases[_JAX_PHASES[event]] += seconds
+
+        def count(event, **_):
+            if event in _JAX_COUNTS:
+                _phases[_JAX_COUNTS[event]] += 1
+        monitoring.register_event_duration_secs_listener(add)
+        monitoring.register_event_listener(count)
+        _listening.append(add)
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
+        _listen()
+        start = dict(_phases)
+
         def cpu():
             s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
             return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
@@ -190,4 +232,6 @@ if os.environ.get("STRIPEDJAX_TEST_CPU"):
             f.write(json.dumps({"test": item.nodeid, "self": round(s1 - s0, 2),
                                 "children": round(c1 - c0, 2), "wall": round(w1 - w0, 2),
                                 "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                                **{k: round(_phases[k] - start[k], 2) for k in _phases},
                                 "end": round(time.time(), 1)}) + "\n")
+

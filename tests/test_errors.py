@@ -47,3 +47,21 @@ def test_imports_point_downward():
     for path in sorted((ROOT / "checkpoints").glob("*.py")):
         up = [m for m in imported_modules(path) if m.split(".")[0] in ("training", "model")]
         assert not up, f"{path.name} imports {up} from the model or training layer"
+
+
+def test_the_entry_points_settle_the_collector_once():
+    """conftest settles it as train.py's entry does (training/entry.settle_gc): the imports
+    frozen, full collections rarer; a second call (an entry point run inside a process that has
+    settled) freezes nothing more, so what a test made later stays collectable."""
+    import gc
+
+    from training.entry import GC_THRESHOLDS, settle_gc
+    assert gc.get_threshold() == GC_THRESHOLDS
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000  # the imports: jax, numpy, pytest ...
+    cycle = [object()]
+    cycle.append(cycle)
+    settle_gc()
+    assert gc.get_freeze_count() == frozen
+    del cycle
+    assert gc.collect() >= 1  # the new cycle was not frozen
