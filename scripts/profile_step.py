@@ -21,7 +21,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -98,36 +97,12 @@ def run(args, config) -> int:
     compiled = trainer.train_step.lower(state, batch).compile(
         compiler_options=profile.GPU_TRACE_OPTIONS if gpu else None)
     ops, comps = profile.parse_hlo(compiled.as_text())
-    for _ in range(args.warmup):
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-    trace_dir = pathlib.Path(args.trace_dir)
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    walls = []
-    jax.profiler.start_trace(str(trace_dir))
     try:
-        for i in range(args.steps):
-            t0 = time.perf_counter()
-            with jax.profiler.StepTraceAnnotation(profile.STEP_EVENT, step_num=i):
-                state, metrics = compiled(state, batch)
-                jax.block_until_ready(metrics)
-            walls.append(time.perf_counter() - t0)
-    finally:
-        jax.profiler.stop_trace()
-    newest = max(trace_dir.glob("**/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
-    data = jax.profiler.ProfileData.from_file(str(newest))
-    intervals = profile.device_ops(data, ops, comps, device=0)
-    windows = profile.step_windows(data)
-    if not windows or not intervals:
-        missing = " and ".join(w for w, got in (("steps", windows), ("ops of device 0", intervals))
-                               if not got)
-        print(f"error: the trace {newest} holds no {missing}; it holds:\n"
-              f"{profile.describe(data)}", file=sys.stderr)
+        per_step, walls, newest = profile.trace_steps(compiled, state, batch, args.warmup,
+                                                      args.steps, args.trace_dir, ops, comps)
+    except profile.EmptyTrace as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    per_step = {r: 0.0 for r in profile.ROWS}
-    for w in windows:
-        for r, s in profile.attribute(intervals, w).items():
-            per_step[r] += s / len(windows)
     wall = statistics.median(walls)
     devices = mesh.devices.size
     flops = profile.row_flops(config, devices)
@@ -135,7 +110,7 @@ def run(args, config) -> int:
     print(f"{config.name}: {config.data.batch_size} x {config.data.seq_len} tokens per step on "
           f"{devices} {mesh.devices.flat[0].device_kind} device(s), mesh {dict(mesh.shape)}, "
           f"attention {a.impl}/{a.layout} kernel {trainer.backend.kernel}, remat "
-          f"{config.model.remat}; {len(windows)} traced steps"
+          f"{config.model.remat}; {len(walls)} traced steps"
           f"{', XLA command buffers off' if gpu else ''} (trace: {newest})")
     print(profile.table(per_step, wall, flops))
     if args.json:

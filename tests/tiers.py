@@ -17,6 +17,8 @@ must name a test that exists: the full collection (``pytest tests``) fails on on
 SLOW = {
     # processes, and whole runs
     "test_readme_commands.py::test_printed_command_runs": "every printed command, a process each",
+    "test_bench_step.py::test_both_sides_take_the_same_model_and_tokens_and_the_profile_adds_up":
+        "a train step compiled, traced, and transformers' model on torch",
     "test_checkpoints.py::test_stop_on_signal_test_holds_when_started_with_sigint_ignored":
         "runs pytest in a background shell",
     "test_cluster.py::test_a_cluster_launch_needs_no_flags_and_trains_as_one_run[slurm]":

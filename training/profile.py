@@ -179,6 +179,51 @@ def attribute(intervals: list[Interval], window: tuple[int, int]) -> dict[str, f
     return {r: rows.get(r, 0.0) for r in ROWS}
 
 
+class EmptyTrace(RuntimeError):
+    """A trace that holds no steps or no ops of the device (says what it holds instead)."""
+
+
+def trace_steps(compiled, state, batch, warmup: int, steps: int, trace_dir,
+                ops: dict, comps: dict):
+    """Run ``compiled`` (a train step: ``state, batch -> state, metrics``) ``warmup`` times
+    untimed, then ``steps`` times traced, each under its ``StepTraceAnnotation``: (seconds per
+    row of one step, averaged over the traced steps; each traced step's wall clock; the trace
+    file). ``ops``/``comps``: ``parse_hlo`` of the compiled text."""
+    import pathlib
+    import time
+
+    import jax
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+    trace_dir = pathlib.Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    walls = []
+    jax.profiler.start_trace(str(trace_dir))
+    try:
+        for i in range(steps):
+            t0 = time.perf_counter()
+            with jax.profiler.StepTraceAnnotation(STEP_EVENT, step_num=i):
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+            walls.append(time.perf_counter() - t0)
+    finally:
+        jax.profiler.stop_trace()
+    newest = max(trace_dir.glob("**/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    data = jax.profiler.ProfileData.from_file(str(newest))
+    intervals = device_ops(data, ops, comps, device=0)
+    windows = step_windows(data)
+    if not windows or not intervals:
+        missing = " and ".join(w for w, got in (("steps", windows), ("ops of device 0", intervals))
+                               if not got)
+        raise EmptyTrace(f"the trace {newest} holds no {missing}; it holds:\n{describe(data)}")
+    per_step = {r: 0.0 for r in ROWS}
+    for w in windows:
+        for r, s in attribute(intervals, w).items():
+            per_step[r] += s / len(windows)
+    return per_step, walls, newest
+
+
 def row_flops(config, devices: int) -> dict[str, float]:
     """Model FLOPs of one step per device for the rows that have a count (the causal half;
     recompute not counted, as MFU): attention forward 1/3 and backward 2/3 of

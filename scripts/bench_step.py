@@ -1,0 +1,195 @@
+"""Our train step against transformers + torch's on the same model, tokens and cores, in one run.
+
+    python scripts/bench_step.py [--model tiny | --run RUN_DIR] [--seq-len 2048] [--steps 3]
+        [--warmup 1] [--cores 2] [--sides ours,torch] [--json bench_out/bench_step.json]
+        [--config.a.b=v ...]
+
+The model: configs/tiny.py's (``--model tiny``) or a run directory's (``--run``: an import, e.g.
+``make smollm2``'s runs/smollm2, or a train.py --workdir), random weights on both sides (time does
+not depend on their values). Both sides take one row of ``--seq-len`` random token ids (the same
+ids) and the next-token loss over it, fp32, AdamW, no activation checkpointing (model.remat=none,
+transformers' default), on 1 device; the process is pinned to ``--cores`` cores before either
+library starts (torch.set_num_threads too, and XLA's CPU client sizes its pool from them). The
+torch side is transformers' model class for the config our exporter writes (hf/config.py), eager,
+its default attention (SDPA). Each side: ``--warmup`` untimed steps, then ``--steps`` timed ones
+(the median is the figure); then one traced step of ours, cut into training/profile.py's rows
+(scripts/profile_step.py's table). Prints a markdown table and writes the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SIDES = ("ours", "torch")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", choices=("tiny",), default="tiny")
+    which.add_argument("--run", default="", help="a run directory: its model")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per side (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    p.add_argument("--cores", type=int, default=0, help="pin to this many cores (0: all)")
+    p.add_argument("--sides", default="ours,torch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-dir", default="bench_out/bench_step_trace")
+    p.add_argument("--json", default="bench_out/bench_step.json")
+    return p.parse_known_args(argv)
+
+
+def load(args, rest):
+    """The config both sides build: the model's, on 1 device, one row of --seq-len, no remat."""
+    from planning.cli import load_config
+    path = f"configs/from_run.py:{args.run}" if args.run else "configs/tiny.py"
+    one = ["--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.sequence=1",
+           "--config.mesh.tensor=1", "--config.data.batch_size=1",
+           f"--config.data.seq_len={args.seq_len}", "--config.model.remat=none"]
+    return load_config(path, one + list(rest))
+
+
+def timed(step, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def ours(config, ids, args) -> dict:
+    import jax
+    import numpy as np
+
+    from parallel.mesh import make_mesh
+    from training import profile
+    from training.state import Trainer
+    trainer = Trainer(config, make_mesh(config.mesh, jax.devices()[:1]))
+    state = trainer.init(args.seed)
+    labels = np.concatenate([ids[:, 1:], ids[:, -1:]], axis=1)
+    mask = np.ones(ids.shape, np.float32)
+    mask[:, -1] = 0  # as torch's shifted labels: L - 1 predicted tokens
+    host = {"tokens": ids, "labels": labels, "segment_ids": np.zeros_like(ids), "loss_mask": mask,
+            "positions": np.arange(ids.shape[1], dtype=np.int32)[None]}
+    batch = {k: jax.device_put(host[k], s) for k, s in trainer.batch_shardings.items()}
+    t0 = time.perf_counter()
+    compiled = trainer.train_step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = jax.block_until_ready(compiled(holder["state"], batch))
+        holder.setdefault("first_loss", float(metrics["loss"]))
+
+    walls = timed(step, args.warmup, args.steps)
+    ops, comps = profile.parse_hlo(compiled.as_text())
+    rows, traced, trace = profile.trace_steps(compiled, holder["state"], batch, 0, 1,
+                                              args.trace_dir, ops, comps)
+    return {"walls_s": walls, "median_s": statistics.median(walls), "compile_s": compile_s,
+            "first_loss": holder["first_loss"], "rows_s": rows, "traced_s": traced[0],
+            "flops": profile.row_flops(config, 1),
+            "trace": str(trace)}
+
+
+def theirs(config, ids, args) -> dict:
+    import torch
+    import transformers
+
+    from hf import config as hf_config
+    cfg = hf_config.hf_config(config.model, seq_len=args.seq_len, dtype="float32", base=None,
+                              bos=None, eos=None)
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**cfg), dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=config.train.lr)
+    tokens = torch.from_numpy(ids.astype("int64"))
+    holder = {}
+
+    def step():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        holder.setdefault("first_loss", float(loss.detach()))
+
+    walls = timed(step, args.warmup, args.steps)
+    return {"walls_s": walls, "median_s": statistics.median(walls),
+            "first_loss": holder["first_loss"],
+            "library": f"transformers {transformers.__version__} + torch {torch.__version__}",
+            "attention": model.config._attn_implementation, "threads": torch.get_num_threads()}
+
+
+def table(out: dict) -> str:
+    tokens = out["seq_len"]
+    lines = ["| side | step (median) | tokens/s | vs torch |", "|---|---:|---:|---:|"]
+    t = out.get("torch")
+    names = {"torch": f"{t['library']} eager, {t['attention']}" if t else "",
+             "ours": "ours (jitted train step, remat none)"}
+    for side in SIDES:
+        r = out.get(side)
+        if r:
+            vs = f"{r['median_s'] / t['median_s']:.2f}x" if t else ""
+            lines.append(f"| {names[side]} | {r['median_s']:.3g} s | {tokens / r['median_s']:.0f} "
+                         f"| {vs} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args, rest = parse_args(argv)
+    sides = [s for s in args.sides.split(",") if s]
+    bad = [s for s in sides if s not in SIDES]
+    if bad or not sides or args.steps < 1 or args.warmup < 0 or args.seq_len < 2:
+        print(f"error: --sides takes {','.join(SIDES)} (got {args.sides!r}); --steps >= 1, "
+              f"--warmup >= 0, --seq-len >= 2", file=sys.stderr)
+        return 2
+    if args.cores:  # before torch or XLA size their thread pools
+        if args.cores > len(os.sched_getaffinity(0)):
+            print(f"error: --cores {args.cores}: this process may use "
+                  f"{len(os.sched_getaffinity(0))}", file=sys.stderr)
+            return 2
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    from planning.cli import UsageError
+    try:
+        config = load(args, rest)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import numpy as np
+
+    from training import profile
+    ids = np.random.default_rng(args.seed).integers(
+        0, config.model.vocab_size, (1, args.seq_len)).astype(np.int32)
+    out = {"model": args.run or args.model, "seq_len": args.seq_len,
+           "cores": len(os.sched_getaffinity(0)), "steps": args.steps, "warmup": args.warmup}
+    for side in SIDES:  # ours first: torch's threads stay idle while XLA compiles and runs
+        if side in sides:
+            print(f"{side}: {args.warmup} + {args.steps} steps ...", file=sys.stderr, flush=True)
+            out[side] = (ours if side == "ours" else theirs)(config, ids, args)
+    print(f"{out['model']}: one row of {args.seq_len} tokens, fp32, AdamW, {out['cores']} cores; "
+          f"median of {args.steps} steps after {args.warmup}")
+    print(table(out))
+    if "ours" in out:
+        o = out["ours"]
+        print(f"\nours, one traced step (training/profile.py's rows; {o['trace']}):")
+        print(profile.table(o["rows_s"], o["traced_s"], o["flops"]))
+    if args.json:
+        path = pathlib.Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

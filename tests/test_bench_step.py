@@ -1,0 +1,38 @@
+"""scripts/bench_step.py: our train step and transformers + torch's on the same model and tokens."""
+import json
+import math
+import sys
+
+import pytest
+
+sys.path.insert(0, "scripts")
+import bench_step  # noqa: E402
+
+
+def test_both_sides_take_the_same_model_and_tokens_and_the_profile_adds_up(tmp_path, capsys):
+    """The tiny model at 64 tokens: both sides' first-step losses are a random model's, ln(vocab)
+    (so both read the same vocabulary and predict the same 63 tokens); the table's ratio is the
+    JSON's medians; our traced step's rows add up to the wall clock measured around it."""
+    out = tmp_path / "bench.json"
+    assert bench_step.main(["--seq-len", "64", "--steps", "2", "--warmup", "0",
+                            "--json", str(out), "--trace-dir", str(tmp_path / "trace")]) == 0
+    got = json.loads(out.read_text())
+    ours, torch = got["ours"], got["torch"]
+    vocab = 2048  # configs/tiny.py
+    for side in (ours, torch):
+        assert len(side["walls_s"]) == 2 and side["median_s"] > 0
+        assert abs(side["first_loss"] - math.log(vocab)) < 0.2, side["first_loss"]
+    assert torch["attention"] == "sdpa"
+    assert sum(ours["rows_s"].values()) == pytest.approx(ours["traced_s"], rel=0.05)
+    table = capsys.readouterr().out
+    assert f"| {ours['median_s'] / torch['median_s']:.2f}x |" in table
+    assert "| matmuls |" in table and "| loss |" in table
+
+
+def test_a_bad_flag_is_one_line(capsys):
+    assert bench_step.main(["--sides", "ours,jax"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --sides takes ours,torch (got 'ours,jax')")
+    assert err.count("\n") == 1
+    assert bench_step.main(["--cores", "999"]) == 2
+    assert "--cores 999: this process may use" in capsys.readouterr().err
