@@ -138,6 +138,7 @@ def get_config() -> ml_collections.ConfigDict:
     a.stripe = 1  # striped layout: consecutive tokens per stripe (1 is the paper)
     a.block_q = 512  # query tile length inside each device's chunk (must divide it)
     a.block_kv = 512  # key/value tile length inside each device's chunk (must divide it)
+    # (xla's backward runs tiles of at most 256 of these: parallel/kernels/xla.py XLA_BWD_TILE)
     # Per-round kernel: auto picks cudnn on a GPU where its one-time probe passes and the
     # activations are bf16/fp16, else the platform's fused Pallas kernel (GPU: Triton, TPU:
     # Mosaic), and xla on a CPU; a Pallas value on a CPU runs in interpret mode (exact, slow),

@@ -30,9 +30,16 @@ ANY_CHUNKS = True  # one call may hold any number of chunks of queries and of ke
 
 # Tile rules (``tiling.py``): one tile for all three passes, the user's or ``XLA_TILE``; any tile
 # dividing the chunk runs, a larger one is clamped to it. The default is attention.block_q /
-# block_kv's, so it must divide the chunk like theirs (not shrunk to fit).
+# block_kv's, so it must divide the chunk like theirs (not shrunk to fit). The backward then runs
+# tiles of at most XLA_BWD_TILE (below).
 XLA_TILE = 512  # positions, both sides
 FIT_DEFAULTS = False
+# The backward's tiles are at most this (the largest divisor of the forward's not above it): its
+# five einsums and four elementwise passes per tile run on [q, G, kv] score tiles, and at 512 x
+# 512 those (9 MB for 3 query heads per KV head) leave the CPU's caches. SmolLM2's shapes at 2,048
+# tokens (scripts/bench_step.py, 8 layers): the attention backward 1.30 s at 512, 0.64 s at 256,
+# 0.88 s at 128; the forward is fastest at 512.
+XLA_BWD_TILE = 256
 
 
 def default_tiles(group, head_dim, dtype, arch=None):
@@ -61,8 +68,10 @@ def grad_queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS, do_BKSGD, lse_BKSG, de
 
 def attend_grads(spec: RoundSpec, query, kv: ac.KV, dq_BKSGD):
     q_s, pos, seg, do, lse, delta = query
-    return attend_block_bwd(q_s, kv, pos, seg, do, lse, delta, dq_BKSGD, block_q=spec.dq.block_q,
-                            block_kv=spec.dq.block_kv, causal=spec.causal, window=spec.window)
+    return attend_block_bwd(q_s, kv, pos, seg, do, lse, delta, dq_BKSGD,
+                            block_q=math.gcd(spec.dq.block_q, XLA_BWD_TILE),
+                            block_kv=math.gcd(spec.dq.block_kv, XLA_BWD_TILE),
+                            causal=spec.causal, window=spec.window)
 
 
 # ----------------------------------------------------------------------------- kernel
