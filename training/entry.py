@@ -1,6 +1,7 @@
 """The user-facing edge of a run: user mistakes become one line and an exit code, not a trace."""
 from __future__ import annotations
 
+import atexit
 import gc
 import sys
 
@@ -23,6 +24,9 @@ def settle_gc() -> None:
     if not _settled:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
+        # Back in sight at exit, so that the interpreter's last collection finalizes them as
+        # before (else nanobind-bound libraries report their objects as leaked).
+        atexit.register(gc.unfreeze)
         _settled.append(True)
 
 
