@@ -35,10 +35,12 @@ def num_chunks(local_len: int, chunk: int) -> tuple[int, int]:
     return -(-local_len // chunk), chunk
 
 
-def _scan_chunks(fn, weights, arrays, chunk: int, axis):
+def _scan_chunks(fn, weights, arrays, chunk: int, axis, remat_one: bool = True):
     """Local: [b, C, ...] arrays -> fn over [b, c, ...] chunks -> [b, C, ...]."""
     C = arrays[0].shape[1]
     n, c = num_chunks(C, chunk)
+    if n == 1 and not remat_one:
+        return fn(weights, *arrays, axis=axis)
 
     def split(a):
         if n * c != C:
@@ -51,18 +53,22 @@ def _scan_chunks(fn, weights, arrays, chunk: int, axis):
     return out.reshape(out.shape[0], n * c, *out.shape[3:])[:, :C]
 
 
-def map_chunks(fn, weights, weight_specs, arrays, chunk: int, mesh=None, out_rank=None):
+def map_chunks(fn, weights, weight_specs, arrays, chunk: int, mesh=None, out_rank=None,
+               remat_one: bool = True):
     """``fn(weights, *chunks, axis=...)`` over chunks of ``arrays`` ([B, L, ...] each, sharded
     rows over data x fsdp and tokens over sequence), under remat: the backward recomputes one
     chunk's insides at a time. ``fn`` sees the local ``weights`` (sharded by ``weight_specs``,
     i.e. split over tensor at most) and reduces over ``axis`` ("tensor", or None without a
-    mesh) whatever the tensor split leaves partial; its output is per token, whole over tensor."""
+    mesh) whatever the tensor split leaves partial; its output is per token, whole over tensor.
+    ``remat_one=False``: a slice that is one chunk runs without remat (for the step's last
+    forward op, the loss, whose backward runs first: its insides are alive in between anyway,
+    so recomputing them only costs time)."""
     if mesh is None:
-        return _scan_chunks(fn, weights, arrays, chunk, None)
+        return _scan_chunks(fn, weights, arrays, chunk, None, remat_one)
 
     def local(weights, *arrays):
         weights = jax.tree.map(lambda w: jax.lax.pcast(w, TOKEN_AXES, to="varying"), weights)
-        return _scan_chunks(fn, weights, arrays, chunk, "tensor")
+        return _scan_chunks(fn, weights, arrays, chunk, "tensor", remat_one)
 
     specs = tuple(P(BATCH_AXES, "sequence", *(None,) * (a.ndim - 2)) for a in arrays)
     out_ndim = out_rank or arrays[0].ndim

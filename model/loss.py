@@ -81,4 +81,4 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
 
     return map_chunks(one_chunk, (norm_scale_D, head_DV), (P(), P(None, "tensor")),
                       (x_BLD, labels_BL, mask_BL.astype(acc)), chunk, mesh,
-                      out_rank=2 if greedy_vocab is None else 3)
+                      out_rank=2 if greedy_vocab is None else 3, remat_one=False)
