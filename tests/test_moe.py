@@ -65,9 +65,14 @@ def weights_of(rng, D, E, F):
 def test_router_dispatch_and_experts_are_the_dense_float64_reference(rng, kind, renormalize,
                                                                      impl):
     T, D, E, F, K = 300, 16, 8, 12, 3
-    x = rng.normal(0, 1, (T, D))
     router, w_gate, w_up, w_down = weights_of(rng, D, E, F)
     router[:, 5] = router[:, 2]  # experts 2 and 5 always tie: the lower index wins
+    while True:  # no near-tie at the top-K boundary that fp32's logits could order otherwise
+        x = rng.normal(0, 1, (T, D))
+        top = -np.sort(-(x @ router), axis=1)
+        gap = top[:, K - 1] - top[:, K]
+        if not np.any((gap > 0) & (gap < 1e-4)):  # 0: the 2-5 tie, exact in fp32 too
+            break
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     weights, experts, probs = moe.route(f32(x) @ f32(router), K, kind, renormalize)
     got, dropped = moe.experts_forward(f32(x), weights, experts, f32(w_gate), f32(w_up),
