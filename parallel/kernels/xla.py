@@ -34,11 +34,11 @@ ANY_CHUNKS = True  # one call may hold any number of chunks of queries and of ke
 # tiles of at most XLA_BWD_TILE (below).
 XLA_TILE = 512  # positions, both sides
 FIT_DEFAULTS = False
-# The backward's tiles are at most this (the largest divisor of the forward's not above it): its
-# five einsums and four elementwise passes per tile run on [q, G, kv] score tiles, and at 512 x
-# 512 those (9 MB for 3 query heads per KV head) leave the CPU's caches. SmolLM2's shapes at 2,048
-# tokens (scripts/bench_step.py, 8 layers): the attention backward 1.30 s at 512, 0.64 s at 256,
-# 0.88 s at 128; the forward is fastest at 512.
+# The backward's tiles are at most this (the gcd of the forward's and this: they divide the
+# chunk too): its five einsums and four elementwise passes per tile run on [q, G, kv] score
+# tiles, and at 512 x 512 those (9 MB for 3 query heads per KV head) leave the CPU's caches.
+# SmolLM2's shapes at 2,048 tokens (scripts/bench_step.py, 8 layers): the attention backward
+# 1.30 s at 512, 0.64 s at 256, 0.88 s at 128; the forward is fastest at 512.
 XLA_BWD_TILE = 256
 
 
