@@ -132,3 +132,48 @@ def test_a_bad_config_is_one_line(capsys):
     assert profile_step.main(["--config", "configs/tiny.py", "--config.model.remat=most"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.remat='most'" in err[0]
+
+
+LOOP_HLO = """HloModule jit__train_step
+
+%fused_tile (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  ROOT %dot.2 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%masked (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  ROOT %ynn_fusion.2 = f32[4,4]{1,0} fusion(%a, %a), kind=kCustom, calls=%fused_tile, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+}
+
+%body (t: f32[4,4]) -> f32[4,4] {
+  %t = f32[4,4]{1,0} parameter(0)
+  %ynn_fusion.1 = f32[4,4]{1,0} fusion(%t, %t), kind=kCustom, calls=%fused_tile, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  %i = s32[] constant(0)
+  ROOT %cond.1 = f32[4,4]{1,0} conditional(%i, %ynn_fusion.1, %ynn_fusion.1), branch_computations={%masked, %masked}
+}
+
+%test (t: f32[4,4]) -> pred[] {
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %while.1 = f32[4,4]{1,0} while(%a), condition=%test, body=%body, metadata={op_name="jit(_train_step)/transpose(jvp())/attention_bwd/while"}
+  ROOT %ynn_fusion.3 = f32[4,4]{1,0} fusion(%while.1, %a), kind=kCustom, calls=%fused_tile, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+}
+"""
+
+
+def test_library_fusions_without_op_name_take_their_loops_scope():
+    """XLA's CPU backend makes YNNPACK fusions of the attention kernel's tile einsums without an
+    op_name (seen in SmolLM2's compiled step, 2026-12-07): inside the kernel's while body, and in
+    a conditional's branch inside it, they take the while's scope (attention backward), not the
+    matmuls row; one at the top level with no caller stays a matmul."""
+    ops, comps = profile.parse_hlo(LOOP_HLO)
+    rows = {n: profile.row_of(ops[n], comps) for n in ("ynn_fusion.1", "ynn_fusion.2",
+                                                         "ynn_fusion.3")}
+    assert rows == {"ynn_fusion.1": "attention backward", "ynn_fusion.2": "attention backward",
+                    "ynn_fusion.3": "matmuls"}
+    assert ops["cond.1"].calls == ("masked", "masked")

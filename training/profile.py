@@ -47,8 +47,14 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^=]*?\s([\w\-]+)\(")
 
 
 def parse_hlo(text: str) -> tuple[dict[str, Op], dict[str, str]]:
-    """(instruction name -> Op, computation name -> its text) of a compiled module's text."""
+    """(instruction name -> Op, computation name -> its text) of a compiled module's text.
+
+    An instruction without an ``op_name`` (XLA's CPU backend drops it on the library fusions it
+    makes, e.g. a YNNPACK fusion of the attention kernel's tile einsums) takes the one of the
+    instruction that runs its computation (the ``while`` or ``conditional`` of that kernel's
+    loop, up the chain of callers), so that it falls in its scope's row."""
     ops, comps, current, body = {}, {}, None, []
+    where = {}  # instruction -> the computation that holds it
     for line in text.splitlines():
         head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
         if head and not line.startswith(" "):
@@ -65,9 +71,26 @@ def parse_hlo(text: str) -> tuple[dict[str, Op], dict[str, str]]:
             continue
         name = re.search(r'op_name="([^"]*)"', line)
         target = re.search(r'custom_call_target="([^"]*)"', line)
-        calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+        calls = re.findall(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                           r"=%?([\w.\-]+)", line)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        if branches:
+            calls += re.findall(r"%?([\w.\-]+)", branches.group(1))
         ops[m.group(1)] = Op(m.group(2), name.group(1) if name else "",
                              target.group(1) if target else "", tuple(calls))
+        where[m.group(1)] = current
+    caller = {}  # computation -> the first instruction that runs it
+    for op_name, op in ops.items():
+        for c in op.calls:
+            caller.setdefault(c, op_name)
+    for name, op in ops.items():
+        seen, comp = set(), where.get(name)
+        while not op.op_name and comp in caller and comp not in seen:
+            seen.add(comp)
+            up = caller[comp]
+            op = dataclasses.replace(op, op_name=ops[up].op_name)
+            comp = where.get(up)
+        ops[name] = op
     return ops, comps
 
 
