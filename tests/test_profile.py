@@ -134,22 +134,15 @@ def test_a_bad_config_is_one_line(capsys):
     assert len(err) == 1 and "model.remat='most'" in err[0]
 
 
-LOOP_HLO = """HloModule jit__train_step
-
-%fused_tile (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
-  %p0 = f32[4,4]{1,0} parameter(0)
-  %p1 = f32[4,4]{1,0} parameter(1)
-  ROOT %dot.2 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-%masked (a: f32[4,4]) -> f32[4,4] {
+# HLO's module name and %fused_dot, then a kernel's loop whose library fusions call it
+LOOP_HLO = HLO[:HLO.index("%fused_add")] + """%masked (a: f32[4,4]) -> f32[4,4] {
   %a = f32[4,4]{1,0} parameter(0)
-  ROOT %ynn_fusion.2 = f32[4,4]{1,0} fusion(%a, %a), kind=kCustom, calls=%fused_tile, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  ROOT %ynn_fusion.2 = f32[4,4]{1,0} fusion(%a, %a), kind=kCustom, calls=%fused_dot, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
 }
 
 %body (t: f32[4,4]) -> f32[4,4] {
   %t = f32[4,4]{1,0} parameter(0)
-  %ynn_fusion.1 = f32[4,4]{1,0} fusion(%t, %t), kind=kCustom, calls=%fused_tile, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  %ynn_fusion.1 = f32[4,4]{1,0} fusion(%t, %t), kind=kCustom, calls=%fused_dot, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
   %i = s32[] constant(0)
   ROOT %cond.1 = f32[4,4]{1,0} conditional(%i, %ynn_fusion.1, %ynn_fusion.1), branch_computations={%masked, %masked}
 }
@@ -161,7 +154,7 @@ LOOP_HLO = """HloModule jit__train_step
 ENTRY %main (a: f32[4,4]) -> f32[4,4] {
   %a = f32[4,4]{1,0} parameter(0)
   %while.1 = f32[4,4]{1,0} while(%a), condition=%test, body=%body, metadata={op_name="jit(_train_step)/transpose(jvp())/attention_bwd/while"}
-  ROOT %ynn_fusion.3 = f32[4,4]{1,0} fusion(%while.1, %a), kind=kCustom, calls=%fused_tile, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  ROOT %ynn_fusion.3 = f32[4,4]{1,0} fusion(%while.1, %a), kind=kCustom, calls=%fused_dot, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
 }
 """
 
