@@ -5,7 +5,8 @@ among the largest tensors of a step: 32k tokens of a 32k vocabulary are 4 GB per
 the final norm, the head projection and the cross-entropy run in a ``lax.scan`` over chunks of
 each device's slice of the sequence (model/chunks.py), each chunk under ``jax.checkpoint``:
 the forward keeps only the per-token losses, the backward recomputes one chunk's logits at a
-time.
+time. A slice that is one chunk runs without remat: the loss is the forward's last op and the
+backward's first, so its insides are alive in between anyway (recomputing them cost a matmul).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
         loss_Bc = (jnp.log(sum_Bc) + m_Bc - picked_Bc) * mask_Bc
         if greedy_vocab is None:
             return loss_Bc
-        usable_Bc = jnp.where(first + jnp.arange(v) < greedy_vocab, logits_Bcv,
+        usable_Bc = jnp.where(ids_v < greedy_vocab, logits_Bcv,
                               jnp.finfo(acc).min).max(-1)
         if axis:
             usable_Bc = jax.lax.pmax(usable_Bc, axis)

@@ -47,13 +47,32 @@ def parse_args(argv=None):
 
 
 def load(args, rest):
-    """The config both sides build: the model's, on 1 device, one row of --seq-len, no remat."""
+    """The config both sides build: the model's, on 1 device, one row of --seq-len, fp32, no
+    remat; checked as train.py checks it (a UsageError or a user error: one line)."""
+    from configs.validate import validate
     from planning.cli import load_config
     path = f"configs/from_run.py:{args.run}" if args.run else "configs/tiny.py"
     one = ["--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.sequence=1",
            "--config.mesh.tensor=1", "--config.data.batch_size=1",
-           f"--config.data.seq_len={args.seq_len}", "--config.model.remat=none"]
-    return load_config(path, one + list(rest))
+           f"--config.data.seq_len={args.seq_len}", "--config.model.remat=none",
+           "--config.model.dtype=float32"]
+    config = load_config(path, one + list(rest))
+    validate(config, 1)
+    return config
+
+
+def bad_flags(args) -> str | None:
+    """What is wrong with the flags, in one line, or None."""
+    sides = [s for s in args.sides.split(",") if s]
+    if not sides or any(s not in SIDES for s in sides):
+        return f"--sides takes some of {','.join(SIDES)} (got {args.sides!r})"
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                               ("--seq-len", args.seq_len, 2), ("--cores", args.cores, 0)):
+        if value < least:
+            return f"{flag} must be >= {least} (got {value})"
+    if args.cores > len(os.sched_getaffinity(0)):
+        return f"--cores {args.cores}: this process may use {len(os.sched_getaffinity(0))}"
+    return None
 
 
 def timed(step, warmup: int, steps: int) -> list[float]:
@@ -104,6 +123,7 @@ def ours(config, ids, args) -> dict:
 def theirs(config, ids, args) -> dict:
     import torch
     import transformers
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
 
     from hf import config as hf_config
     cfg = hf_config.hf_config(config.model, seq_len=args.seq_len, dtype="float32", base=None,
@@ -147,23 +167,21 @@ def table(out: dict) -> str:
 
 def main(argv=None) -> int:
     args, rest = parse_args(argv)
-    sides = [s for s in args.sides.split(",") if s]
-    bad = [s for s in sides if s not in SIDES]
-    if bad or not sides or args.steps < 1 or args.warmup < 0 or args.seq_len < 2:
-        print(f"error: --sides takes {','.join(SIDES)} (got {args.sides!r}); --steps >= 1, "
-              f"--warmup >= 0, --seq-len >= 2", file=sys.stderr)
+    problem = bad_flags(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    sides = [s for s in args.sides.split(",") if s]
     if args.cores:  # before torch or XLA size their thread pools
-        if args.cores > len(os.sched_getaffinity(0)):
-            print(f"error: --cores {args.cores}: this process may use "
-                  f"{len(os.sched_getaffinity(0))}", file=sys.stderr)
-            return 2
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
+    # This CPU on both sides (a GPU host's JAX would take its GPU), one device.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     from planning.cli import UsageError
+    from training.entry import user_errors
     try:
         config = load(args, rest)
-    except UsageError as e:
+    except (UsageError, *user_errors()) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import numpy as np

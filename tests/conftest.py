@@ -194,9 +194,9 @@ if os.environ.get("STRIPEDJAX_TEST_CPU"):
     _JAX_PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
                    "/jax/core/compile/backend_compile_duration": "compile"}
-    # and how many of its compiles the run's compilation cache answered
+    # and how many of its compiles asked the run's compilation cache, and how many it answered
     _JAX_COUNTS = {"/jax/compilation_cache/cache_hits": "hits",
-                   "/jax/compilation_cache/cache_misses": "misses"}
+                   "/jax/compilation_cache/compile_requests_use_cache": "requests"}
     _phases = dict.fromkeys([*_JAX_PHASES.values(), *_JAX_COUNTS.values()], 0.0)
     _listening = []
 

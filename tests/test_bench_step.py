@@ -29,10 +29,16 @@ def test_both_sides_take_the_same_model_and_tokens_and_the_profile_adds_up(tmp_p
     assert "| matmuls |" in table and "| loss |" in table
 
 
-def test_a_bad_flag_is_one_line(capsys):
-    assert bench_step.main(["--sides", "ours,jax"]) == 2
+@pytest.mark.parametrize("flags, said", [
+    (["--sides", "ours,jax"], "--sides takes some of ours,torch (got 'ours,jax')"),
+    (["--steps", "0"], "--steps must be >= 1 (got 0)"),
+    (["--cores", "-1"], "--cores must be >= 0 (got -1)"),
+    (["--cores", "999"], "--cores 999: this process may use"),
+    (["--seq-len", "100"], "block_q=64 does not divide the per-device chunk of 100 tokens"),
+])
+def test_a_bad_flag_or_length_is_one_line(flags, said, capsys):
+    """Flags, and a length the config's tiles do not divide (configs/tiny.py's 64), as train.py
+    says it: one line, exit 2, before anything compiles."""
+    assert bench_step.main(flags) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --sides takes ours,torch (got 'ours,jax')")
-    assert err.count("\n") == 1
-    assert bench_step.main(["--cores", "999"]) == 2
-    assert "--cores 999: this process may use" in capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and err.count("\n") == 1, err

@@ -17,13 +17,19 @@ GC_THRESHOLDS = (50_000, 20, 100)
 _settled = []
 
 
+def collect_less() -> None:
+    """The thresholds alone: for an entry whose heavy imports come later (the scripts')."""
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def settle_gc() -> None:
     """Move what the imports made out of the collector's sight and collect less often, once a
     process has imported its heavy modules. Once per process: what is frozen is never collected
     again, so a later call (an entry point run inside a test process) freezes nothing more."""
     if not _settled:
+        gc.collect()  # no garbage of the imports frozen with them
         gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
+        collect_less()
         # Back in sight at exit, so that the interpreter's last collection finalizes them as
         # before (else nanobind-bound libraries report their objects as leaked).
         atexit.register(gc.unfreeze)
@@ -80,7 +86,7 @@ def script_main(body) -> int:
     (absl's backend chatter silenced first)."""
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.ERROR)
-    settle_gc()
+    collect_less()  # the bodies import jax and the rest themselves, after their device setup
     try:
         return body()
     except user_errors() as e:
