@@ -79,6 +79,28 @@ def test_smallest_length_per_device(rng, layout, length):
     check(got, reference(q, k, v, dout, pos, None), 1e-5)
 
 
+def test_backward_tiles_at_most_256_where_they_divide():
+    from parallel.kernels.xla import backward_tile
+    got = {b: backward_tile(b) for b in (16, 96, 256, 300, 384, 512, 1024, 307)}
+    assert got == {16: 16, 96: 96, 256: 256, 300: 150, 384: 192, 512: 256, 1024: 256, 307: 307}
+    from parallel.kernels import tiling  # the plan the rounds read: forward whole, backward half
+    fwd, dq, dkv = tiling.plan("xla", 512, 512, group=2, head_dim=16, dtype="float32", chunk=512,
+                               seq_len=1024, shards=2, interpret=False)
+    assert fwd[:2] == (512, 512) and dq[:2] == dkv[:2] == (256, 256)
+
+
+def test_default_tiles_backward_on_half_tiles_matches_reference(rng):
+    """512-token chunks on a ring of 2 with the default 512 tiles: the forward on one tile a
+    chunk, the backward on 256 x 256 tiles (parallel/kernels/xla.py XLA_BWD_TILE), packed
+    documents; outputs and gradients against float64."""
+    length = 1024
+    q, k, v, dout = inputs(rng, 2, 1, length=length, batch=1)
+    seg = random_segments(rng, 1, length)
+    pos = np.broadcast_to(np.arange(length, dtype=np.int32), (1, length))
+    got = ring_outputs(q, k, v, dout, mesh=ring_mesh(2), layout="zigzag", segment_ids=seg)
+    check(got, reference(q, k, v, dout, pos, seg), 1e-5)
+
+
 def test_batch_over_fsdp_heads_over_tensor(rng):
     """Batch split over data/fsdp and heads over tensor gives the same answer."""
     mesh = jax.make_mesh((1, 2, 2, 2), ("data", "fsdp", "sequence", "tensor"),

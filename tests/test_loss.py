@@ -30,6 +30,8 @@ def test_num_chunks():
 @pytest.mark.parametrize("mesh,chunk", [
     ({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, 6),  # 16-token slices: 6 + 6 + 4 (padded)
     ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 8),  # vocab over tensor, even chunks
+    # one chunk per slice: no remat (map_chunks' remat_one=False), the padded vocab over tensor
+    ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 0),
     (None, 5),
 ])
 def test_chunked_equals_full_in_float64(mesh, chunk):

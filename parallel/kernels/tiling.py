@@ -13,6 +13,8 @@ rules, so a new kernel needs no edit here:
 - ``FIT_DEFAULTS`` (optional, True): a default longer than the chunk shrinks to a power of two
   dividing it; False: it must divide the chunk like a user's tile (``xla``: its default is the
   config's).
+- ``backward_tile(block)`` (optional): the backward's (dQ, dK/dV) tile for a fitted forward
+  tile of ``block`` (``xla``: at most 256 where that divides it).
 
 In Pallas interpret mode (a CPU: the tests) only the divisibility rule applies.
 """
@@ -72,11 +74,14 @@ def plan(kernel, block_q, block_kv, *, group, head_dim, dtype, chunk, seq_len, s
     rules = kernels.module(kernel)
     fit_defaults = getattr(rules, "FIT_DEFAULTS", True)
     check = getattr(rules, "check_tile", None)
+    backward = getattr(rules, "backward_tile", None)
     tiles = []
-    for tile in rules.default_tiles(group, head_dim, str(dtype), arch):
+    for i, tile in enumerate(rules.default_tiles(group, head_dim, str(dtype), arch)):
         fitted = [tile_size(n, b or d, chunk, seq_len, shards) if b or not fit_defaults
                   else _fit_default(d, chunk)
                   for n, b, d in zip(names, (block_q, block_kv), tile[:2])]
+        if i and backward:  # the dQ and dK/dV tiles
+            fitted = [backward(f) for f in fitted]
         tiles.append(tile._replace(block_q=fitted[0], block_kv=fitted[1]))
         if check and not interpret:
             check(names, tiles[-1], group, head_dim, chunk)

@@ -30,13 +30,13 @@ ANY_CHUNKS = True  # one call may hold any number of chunks of queries and of ke
 
 # Tile rules (``tiling.py``): one tile for all three passes, the user's or ``XLA_TILE``; any tile
 # dividing the chunk runs, a larger one is clamped to it. The default is attention.block_q /
-# block_kv's, so it must divide the chunk like theirs (not shrunk to fit). The backward then runs
-# tiles of at most XLA_BWD_TILE where they divide (below).
+# block_kv's, so it must divide the chunk like theirs (not shrunk to fit). The backward's tiles
+# are then ``backward_tile``'s (tiling.plan applies it to the dQ and dK/dV tiles).
 XLA_TILE = 512  # positions, both sides
 FIT_DEFAULTS = False
 # The backward's tiles: a forward tile above this runs the backward on its largest divisor not
-# above it (so it still divides the chunk), unless that is under a quarter of it (a tile of 300
-# keeps 300, not 4). Its five einsums and four elementwise passes per tile run on [q, G, kv]
+# above it (so it still divides the chunk), unless that is under a quarter of it (300 runs
+# 150, a prime 307 keeps 307). Its five einsums and four elementwise passes per tile run on [q, G, kv]
 # score tiles, and at 512 x 512 those (9 MB for 3 query heads per KV head) leave a CPU's caches.
 # SmolLM2's shapes at 2,048 tokens (scripts/bench_step.py, 8 layers; the profile's attention
 # backward row, read before it counted the kernel's tile einsums): 1.30 s at 512, 0.64 s at 256,
@@ -46,7 +46,7 @@ XLA_BWD_TILE = 256
 
 
 def backward_tile(block: int) -> int:
-    """The backward's tile for a forward tile of ``block`` positions (XLA_BWD_TILE)."""
+    """The backward's tile for a (fitted) forward tile of ``block`` positions (XLA_BWD_TILE)."""
     if block <= XLA_BWD_TILE:
         return block
     fit = max(d for d in range(1, XLA_BWD_TILE + 1) if block % d == 0)
@@ -80,8 +80,7 @@ def grad_queries(spec: RoundSpec, q_BSHD, pos_BS, seg_BS, do_BKSGD, lse_BKSG, de
 def attend_grads(spec: RoundSpec, query, kv: ac.KV, dq_BKSGD):
     q_s, pos, seg, do, lse, delta = query
     return attend_block_bwd(q_s, kv, pos, seg, do, lse, delta, dq_BKSGD,
-                            block_q=backward_tile(spec.dq.block_q),
-                            block_kv=backward_tile(spec.dq.block_kv),
+                            block_q=spec.dq.block_q, block_kv=spec.dq.block_kv,
                             causal=spec.causal, window=spec.window)
 
 
