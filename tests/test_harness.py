@@ -173,6 +173,37 @@ def test_bad_arguments_and_a_prompt_past_max_length_are_one_line(run_dir):
 
 # -- RULER -------------------------------------------------------------------------------------
 
+def import_ruler_data_with_fewer_words():
+    """lm_eval's RULER data module, imported once with fewer words to draw needle keys from
+    (after NLTK_DATA is set: at import it looks for punkt_tab).
+    At import it builds and sorts every adjective-noun pair of wonderwords' lists (912 x 6,782:
+    6.2M strings, 10-12 CPU s here, each time a process loads it); the tests' prompts draw their
+    keys from the first 60 x 60 pairs. The module's code runs as it is; what it is given to
+    choose from is smaller."""
+    import importlib
+    import sys
+
+    import wonderwords
+    name = "lm_eval.tasks.ruler.prepare_niah"
+    if name in sys.modules:
+        return sys.modules[name]
+    real = wonderwords.RandomWord
+
+    class FewerWords(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for category in ("nouns", "adjectives"):
+                self._categories[category] = self._categories[category][:60]
+
+    wonderwords.RandomWord = FewerWords
+    try:
+        module = importlib.import_module(name)
+    finally:
+        wonderwords.RandomWord = real
+    assert 0 < len(module.WORDS) <= 60 * 60  # (the lists repeat a few words)
+    return module
+
+
 @pytest.fixture(scope="module")
 def ruler(run_dir, tmp_path_factory):
     """Offline RULER: the run's tokenizer as an HF folder, nltk's punkt_tab stand-in, one
@@ -191,6 +222,7 @@ def ruler(run_dir, tmp_path_factory):
     os.environ.update(env)  # HF offline and NLTK_DATA while these tests run
     import nltk
     nltk.data.path.extend(p for p in env.get("NLTK_DATA", "").split(os.pathsep) if p)
+    import_ruler_data_with_fewer_words()
     folder = write_tokenizer(open_run(run_dir, log=lambda m: None),
                              tmp_path_factory.mktemp("tok"), 576)
     yield TaskManager(include_defaults=False,
@@ -234,7 +266,7 @@ def test_a_stub_reading_the_needle_scores_one_and_a_wrong_one_zero(ruler, wrong,
         assert len(res["samples"][task]) == 6
 
 
-def test_the_script_prints_lm_evals_table(run_dir, tmp_path, capsys, monkeypatch):
+def test_the_script_prints_lm_evals_table(run_dir, tmp_path, capsys, monkeypatch, ruler):
     """The README's command on the trained run, its main() in this process (lm_eval and RULER's
     data code are loaded already): lm_eval's table on stdout and its results and samples files,
     niah_single_1 prompted at RULER's 512 tokens through the run's tokenizer folder and answered
