@@ -101,6 +101,13 @@ def _seg_slice(seg, start, size):
     return None if seg is None else _slice(seg, start, size, 1)
 
 
+def _rows(x, axis=3):
+    """``x`` with its (query, group) axes at ``axis``, ``axis + 1`` merged into one (a bitcast):
+    an einsum contracting both as two letters orders them its own way, and XLA then copies
+    both operands into that order."""
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
 class _Block(NamedTuple):
     """One K/V block ready for the tile loops: fp32 keys and values, the tile cases ``[nq, nk]``
     and the work list: per row (a q tile in the forward, a kv tile in the backward) the indices
@@ -181,57 +188,71 @@ def attend_block_bwd(q_BKCGD, kv: ac.KV, q_pos, q_seg, do_BKCGD, lse_BKCG, delta
     row sums of ``do * out``. Returns ``(dq, dk, dv)``: ``dq`` accumulated onto ``dq_BKCGD``
     (still to be multiplied by the softmax scale), ``dk``/``dv`` ``[B, K, Ck, D]`` fp32
     contributions of this block (``dk`` already w.r.t. unscaled keys since ``q`` is scaled).
+
+    The tiles' scores are computed key-major, ``[B, K, kv, q, G]``: then dV = P^T dO and
+    dK = dS^T Q contract the scores' last axis, and dQ is accumulated transposed
+    (``[B, K, D, C, G]``, dQ^T = K^T dS^T), so none of the five einsums reads a score tile
+    across its rows. Query-major, XLA's CPU dots wanted P and dS transposed, and wrote them so
+    (a strided copy of every tile: 0.5 s of SmolLM2's 8-layer step).
     """
     ck = kv.k.shape[2]
     nk = ck // block_kv
     k, v, cases, order, counts = _block(q_pos, q_seg, kv, block_q=block_q, block_kv=block_kv,
                                         causal=causal, window=window, by_kv=True)
     dkv_shape = k.shape[:2] + (block_kv,) + k.shape[3:]
+    qT = jnp.moveaxis(q_BKCGD, 4, 2)  # [B, K, D, C, G], once per call
+    doT = jnp.moveaxis(do_BKCGD, 4, 2)
+    dqT = jnp.moveaxis(dq_BKCGD, 4, 2)
 
     def kv_tile(j, carry):
-        dq, dk, dv = carry
+        dqT, dk, dv = carry
         ks = j * block_kv
         k_t = _slice(k, ks, block_kv, 2)
+        kT_t = jnp.swapaxes(k_t, 2, 3)  # [B, K, D, kv]
         v_t = _slice(v, ks, block_kv, 2)
         kp_t = _slice(kv.pos, ks, block_kv, 1)
         kg_t = _seg_slice(kv.seg, ks, block_kv)
 
         def q_tile(t, carry):
-            dq, dk_t, dv_t = carry
+            dqT, dk_t, dv_t = carry
             i = order[j, t]
             qs = i * block_q
             q_t = _slice(q_BKCGD, qs, block_q, 2)
+            qT_t = _slice(qT, qs, block_q, 3)
             do_t = _slice(do_BKCGD, qs, block_q, 2)
-            lse_t = _slice(lse_BKCG, qs, block_q, 2)
-            delta_t = _slice(delta_BKCG, qs, block_q, 2)
+            doT_t = _slice(doT, qs, block_q, 3)
+            lse_t = _slice(lse_BKCG, qs, block_q, 2)[:, :, None]
+            delta_t = _slice(delta_BKCG, qs, block_q, 2)[:, :, None]
 
             def compute(masked):
                 def branch(args):
-                    dq_t, dk_t, dv_t = args
-                    s = jnp.einsum("bkqgd,bkmd->bkqgm", q_t, k_t)
-                    p = jnp.exp(s - lse_t[..., None])
+                    dqT_t, dk_t, dv_t = args
+                    s = jnp.einsum("bkmd,bkdqg->bkmqg", k_t, qT_t)
+                    p = jnp.exp(s - lse_t)
                     if masked:
-                        mask = _tile_mask(_slice(q_pos, qs, block_q, 1), kp_t,
-                                          _seg_slice(q_seg, qs, block_q), kg_t, causal, window)
-                        p = jnp.where(mask, p, 0.0)
-                    dv_t = dv_t + jnp.einsum("bkqgm,bkqgd->bkmd", p, do_t)
-                    dp = jnp.einsum("bkqgd,bkmd->bkqgm", do_t, v_t)
-                    ds = p * (dp - delta_t[..., None])
-                    dq_t = dq_t + jnp.einsum("bkqgm,bkmd->bkqgd", ds, k_t)
-                    dk_t = dk_t + jnp.einsum("bkqgm,bkqgd->bkmd", ds, q_t)
-                    return dq_t, dk_t, dv_t
+                        mask = predicate.visible(_slice(q_pos, qs, block_q, 1), kp_t,
+                                                 _seg_slice(q_seg, qs, block_q), kg_t,
+                                                 causal=causal, window=window)
+                        p = jnp.where(jnp.swapaxes(mask, 1, 2)[:, None, :, :, None], p, 0.0)
+                    dv_t = dv_t + jnp.einsum("bkmn,bknd->bkmd", _rows(p), _rows(do_t, 2))
+                    dp = jnp.einsum("bkmd,bkdqg->bkmqg", v_t, doT_t)
+                    ds = p * (dp - delta_t)
+                    dqT_t = dqT_t + jnp.einsum("bkdm,bkmqg->bkdqg", kT_t, ds)
+                    dk_t = dk_t + jnp.einsum("bkmn,bknd->bkmd", _rows(ds), _rows(q_t, 2))
+                    return dqT_t, dk_t, dv_t
                 return branch
 
-            dq_t, dk_t, dv_t = lax.cond(cases[i, j] == predicate.MASKED, compute(True),
-                                        compute(False), (_slice(dq, qs, block_q, 2), dk_t, dv_t))
-            return lax.dynamic_update_slice_in_dim(dq, dq_t, qs, axis=2), dk_t, dv_t
+            dqT_t, dk_t, dv_t = lax.cond(cases[i, j] == predicate.MASKED, compute(True),
+                                         compute(False), (_slice(dqT, qs, block_q, 3), dk_t, dv_t))
+            return lax.dynamic_update_slice_in_dim(dqT, dqT_t, qs, axis=3), dk_t, dv_t
 
         zeros = ac.zeros(k, dkv_shape)
-        dq, dk_t, dv_t = lax.fori_loop(0, counts[j], q_tile, (dq, zeros, zeros))
-        return (dq, lax.dynamic_update_slice_in_dim(dk, dk_t, ks, axis=2),
+        dqT, dk_t, dv_t = lax.fori_loop(0, counts[j], q_tile, (dqT, zeros, zeros))
+        return (dqT, lax.dynamic_update_slice_in_dim(dk, dk_t, ks, axis=2),
                 lax.dynamic_update_slice_in_dim(dv, dv_t, ks, axis=2))
 
-    return lax.fori_loop(0, nk, kv_tile, (dq_BKCGD, ac.zeros(k), ac.zeros(k)))
+    dqT, dk, dv = lax.fori_loop(0, nk, kv_tile, (dqT, ac.zeros(k), ac.zeros(k)))
+    return jnp.moveaxis(dqT, 2, 4), dk, dv
 
 
 # ----------------------------------------------------------------------------- dense reference
