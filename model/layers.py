@@ -24,6 +24,31 @@ from model.weights import ACTIVATIONS, _bias, _param  # noqa: F401 (decoder.py's
 
 
 
+def matmul_rows(x, w, k: int = 1, preferred_element_type=None):
+    """``x``'s last ``k`` axes contracted with ``w``'s first ``k`` (an einsum such as
+    ``bld,dhk->blhk``), as one 2-D matmul over x's other axes merged into rows (the reshapes are
+    bitcasts). The weight's gradient then contracts one axis of tokens. Contracting batch and
+    length as two axes, XLA's CPU dot first copies the output's gradient transposed: SmolLM2's
+    MLP gradients ``[1,536, 2,048]`` and its head's ``[49,152, 2,048]`` logits' gradient, about
+    a sixth of its 2,048-token step (scripts/bench_step.py).
+
+    Only where ``x`` is whole on each device: inside a shard_map, or on one device. Over a
+    mesh, merging the batch axis (split over data/fsdp) with the length (split over sequence)
+    makes the partitioner gather the sequence first (the temporaries of tests/test_plan.py's
+    test_doubling_sequence_axis_halves_activation_memory doubled)."""
+    lead, inner, out = x.shape[:x.ndim - k], x.shape[x.ndim - k:], w.shape[k:]
+    y = jnp.matmul(x.reshape(math.prod(lead), math.prod(inner)),
+                   w.reshape(math.prod(inner), math.prod(out)),
+                   preferred_element_type=preferred_element_type)
+    return y.reshape(lead + out)
+
+
+def one_device(mesh) -> bool:
+    """Nothing is split: no mesh, or a mesh of one device (where ``matmul_rows`` may merge
+    the batch and length axes of a whole array)."""
+    return mesh is None or mesh.size == 1
+
+
 class RMSNorm(nnx.Module):
     """``unit_offset`` (Gemma): the scale is 1 + w, w stored and initialised at 0."""
 
@@ -161,7 +186,9 @@ class Attention(nnx.Module):
                                                      lora_lib.salt(name)))
 
     def _project(self, x_BLD, w_DHK, b_HK, adapter=None):
-        y_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK[...].astype(self.dtype))
+        w_DHK = w_DHK[...].astype(self.dtype)
+        y_BLHK = (matmul_rows(x_BLD, w_DHK) if one_device(self.backend.mesh)
+                  else jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK))
         if adapter is not None:
             y_BLHK = y_BLHK + adapter(x_BLD, self.dtype)
         return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
@@ -180,8 +207,9 @@ class Attention(nnx.Module):
             o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, kind.window, sinks_H)
         else:
             o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD, sinks_H)
-        out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD.astype(self.dtype),
-                             self.wo[...].astype(self.dtype))
+        o_BLHD, wo_HKD = o_BLHD.astype(self.dtype), self.wo[...].astype(self.dtype)
+        out_BLD = (matmul_rows(o_BLHD, wo_HKD, 2) if one_device(self.backend.mesh)
+                   else jnp.einsum("blhk,hkd->bld", o_BLHD, wo_HKD))
         if (adapter := lora_lib.adapter(self, "lora_o")) is not None:
             out_BLD = out_BLD + adapter(o_BLHD.astype(self.dtype), self.dtype)
         if self.bo is not None:
@@ -226,10 +254,11 @@ class GatedMLP(nnx.Module):
                 setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes, lora,
                                                      lora_lib.salt(name)))
 
-    def __call__(self, x_BLD):
+    def __call__(self, x_BLD, rows: bool = False):
+        """``rows``: x is whole on this device (``matmul_rows``)."""
         c = lambda p: p[...].astype(self.dtype)
         return gated_mlp(x_BLD, c(self.w_gate), c(self.w_up), c(self.w_down), self.activation,
-                         self.adapters(c))
+                         self.adapters(c), rows=rows)
 
     def adapters(self, cast) -> tuple | None:
         """((a, b) of the gate's, the up's and the down's adapter, each None where it has
@@ -247,16 +276,19 @@ MLP_ADAPTERS = ("lora_gate", "lora_up", "lora_down")
 
 
 def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", adapters=None,
-              ids=None, offset=None):
+              ids=None, offset=None, rows: bool = False):
     """``adapters``: ``GatedMLP.adapters``' (pairs, scale, dropout rate), or None. ``ids``,
     ``offset``: a chunk's tokens and its first hidden feature (the tensor shard's), for the
-    adapters' dropout (model/lora.py ``dropout``)."""
+    adapters' dropout (model/lora.py ``dropout``). ``rows``: x is whole on this device (a
+    shard_map's block, or one device), so the matmuls run on its tokens as rows
+    (``matmul_rows``)."""
+    mm = matmul_rows if rows else jnp.matmul
     if adapters is None:
-        return (ACTIVATIONS[activation](x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)) @ w_down_FD
+        return mm(ACTIVATIONS[activation](mm(x_BLD, w_gate_DF)) * mm(x_BLD, w_up_DF), w_down_FD)
     (gate, up, down), scale, rate = adapters
 
     def project(x, w, pair, name, offset=None):
-        y = x @ w
+        y = mm(x, w)
         if pair is None:
             return y
         x = lora_lib.dropout(x, rate, lora_lib.salt(name), 1, ids, offset)
@@ -327,7 +359,8 @@ class Block(nnx.Module):
     def feed_forward(self, x_BLD, chunked: bool = True):
         post = self.mlp_post_norm if self.mlp_post_norm is not None else (lambda y: y)
         if not (self.mlp_chunk and chunked):
-            return x_BLD + post(self.mlp(self.mlp_norm(x_BLD)))
+            rows = {"rows": one_device(self.mesh)} if isinstance(self.mlp, GatedMLP) else {}
+            return x_BLD + post(self.mlp(self.mlp_norm(x_BLD), **rows))
         # At long context the MLP's [tokens, ffn_dim] activations are the layer's largest:
         # run it over chunks of each device's tokens under remat (it is per token).
         from model.chunks import cast_before_gather, map_chunks
@@ -352,7 +385,7 @@ class Block(nnx.Module):
             # this shard's first hidden feature: the down adapter's input is split over tensor
             offset = (jax.lax.axis_index(axis) * w_down.shape[0]) if axis and ids else None
             y_BcD = gated_mlp(rms_norm(x_BcD, scale, eps), w_gate, w_up, w_down, act, ad,
-                              ids[0] if ids else None, offset)
+                              ids[0] if ids else None, offset, rows=True)
             return jax.lax.psum(y_BcD, axis) if axis else y_BcD  # partial over ffn_dim / tensor
 
         # the post-norm needs the whole of D after the psum: it runs outside the chunks

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from model.chunks import cast_before_gather, map_chunks
-from model.layers import rms_norm
+from model.layers import matmul_rows, rms_norm
 
 
 def _scoped(name):
@@ -52,8 +52,8 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
 
     def one_chunk(w, x_BcD, labels_Bc, mask_Bc, axis):
         scale_D, head_Dv = w
-        logits_Bcv = jnp.einsum("bcd,dv->bcv", rms_norm(x_BcD, scale_D, eps), head_Dv,
-                                preferred_element_type=acc)
+        logits_Bcv = matmul_rows(rms_norm(x_BcD, scale_D, eps), head_Dv,
+                                 preferred_element_type=acc)
         if softcap:
             logits_Bcv = jnp.tanh(logits_Bcv / softcap) * softcap
         v = logits_Bcv.shape[-1]

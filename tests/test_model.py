@@ -257,3 +257,40 @@ def test_sliding_window_bounds_what_a_token_reaches(rng):
     np.testing.assert_array_equal(a[:, :cut], b[:, :cut])
     np.testing.assert_array_equal(a[:, reach + 1:], b[:, reach + 1:])
     assert np.abs(a[:, reach] - b[:, reach]).max() > 0  # two hops of W - 1: a small change
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_matmul_rows_is_the_einsum_in_float64(rng, k):
+    """model/layers.py matmul_rows: x's last k axes against w's first k, over x's other axes
+    merged into rows (the attention's q/k/v projections at k = 1, its output projection at 2)."""
+    from model.layers import matmul_rows
+    x = rng.standard_normal((2, 5, 3, 4)[:4 - (k == 1)])
+    w = rng.standard_normal(x.shape[x.ndim - k:] + (6, 7))
+    with jax.enable_x64():
+        got = np.asarray(jax.jit(matmul_rows, static_argnums=2)(x, w, k))
+    want = np.tensordot(x, w, axes=k)
+    assert got.shape == want.shape and got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-13)
+
+
+def test_the_mlps_weight_gradients_read_their_tokens_as_rows(rng):
+    """On one device (rows=True) the gated MLP's weight gradients contract one axis of tokens,
+    and XLA's CPU dots read the [tokens, ffn] gradients as they are: no [ffn, tokens] transposed
+    copy in the compiled backward (with batch and length as two axes XLA made one of each,
+    about a sixth of SmolLM2's step). The same gradients either way, in float64."""
+    from model.layers import gated_mlp
+    B, T, D, F = 1, 64, 16, 40
+    args = [rng.standard_normal(s) for s in ((B, T, D), (D, F), (D, F), (F, D), (B, T, D))]
+
+    def grads(rows):
+        def loss(x, wg, wu, wd, dy):
+            return jnp.sum(gated_mlp(x, wg, wu, wd, rows=rows) * dy)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+    with jax.enable_x64():
+        for a, b in zip(grads(True)(*args), grads(False)(*args)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12)
+    hlo = grads(True).lower(*(a.astype(np.float32) for a in args)).compile().as_text()
+    assert re.search(rf"f32\[{T},{F}\]", hlo)  # the gradients are there, tokens-major
+    transposed = re.findall(rf"= f32\[{F},{T}\]\S* (?:fusion|copy|transpose)\(", hlo)
+    assert not transposed, transposed

@@ -304,22 +304,24 @@ def test_a_mesh_or_config_that_does_not_divide_gives_one_line(args, expected, ca
     assert out == ""
 
 
-def test_chunked_loss_and_microbatches_lower_the_compiled_memory(tiny_plan):
+def test_chunked_loss_and_microbatches_lower_the_compiled_memory():
     """The planner compiles the real step: the whole-slice loss holds [rows, tokens, vocab]
-    logits and k microbatches hold 1/k of the activations; chunking and accumulating show. The
-    whole-slice step is the tiny plan's (its loss chunk of 2,048 is the whole 256-token slice)."""
-    plan, _ = tiny_plan
+    logits and k microbatches hold 1/k of the activations; chunking and accumulating show.
+    The chunks against the whole slice at a vocabulary of 8,192, where the logits are the
+    step's largest tensors (at the tiny config's 2,048 the attention's and the MLP's backward
+    set the peak as much: chunking saves half a logits tensor there)."""
     mesh = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
 
-    def temporaries(loss_chunk, microbatches):
+    def temporaries(loss_chunk, microbatches, vocab=2048):
         c = planned_config(importlib.import_module("configs.tiny").get_config(), 1024, 8, mesh, "none")
         c.train.update(loss_chunk=loss_chunk, microbatches=microbatches)
+        c.model.vocab_size = vocab
         return compile_step(c, jax.devices()).memory.temporaries
 
-    whole, chunked = plan["memory"]["none"]["temporaries"], temporaries(32, 1)
-    # 4 rows x 256 tokens x 2048 vocab of fp32 logits per device, and their gradient.
-    assert whole - chunked > 4 * 256 * 2048 * 4
-    assert temporaries(32, 4) < 0.5 * chunked
+    # 4 rows x 256 tokens x 8,192 vocab of fp32 logits per device (the whole slice: 2,048)
+    whole, chunked = temporaries(2048, 1, 8192), temporaries(32, 1, 8192)
+    assert whole - chunked > 4 * 256 * 8192 * 4
+    assert temporaries(32, 4) < 0.5 * temporaries(32, 1)
 
 
 def test_recomputed_matmuls_follow_what_the_trainer_recomputes():
