@@ -128,9 +128,12 @@ class Decoder(nnx.Module):
         return jnp.tanh(logits / self.softcap) * self.softcap
 
     def head_args(self) -> dict:
-        """The final norm and head as model/loss.py's chunked_token_losses takes them."""
-        return dict(norm_scale_D=self.final_norm.weight(), head_DV=self.head_DV(),
-                    eps=self.final_norm.eps, softcap=self.softcap)
+        """The final norm and head as model/loss.py's chunked_token_losses takes them: a tied
+        head as the embedding table [V, D] itself (no transposed copy of it, nor of its
+        gradient)."""
+        head = {"head_VD": self.embed[...]} if self.head is None else {"head_DV": self.head[...]}
+        return dict(norm_scale_D=self.final_norm.weight(), **head, eps=self.final_norm.eps,
+                    softcap=self.softcap)
 
     def token_losses(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL,
                      chunk: int):

@@ -24,7 +24,7 @@ from model.weights import ACTIVATIONS, _bias, _param  # noqa: F401 (decoder.py's
 
 
 
-def matmul_rows(x, w, k: int = 1, preferred_element_type=None):
+def matmul_rows(x, w, k: int = 1, preferred_element_type=None, w_transposed: bool = False):
     """``x``'s last ``k`` axes contracted with ``w``'s first ``k`` (an einsum such as
     ``bld,dhk->blhk``), as one 2-D matmul over x's other axes merged into rows (the reshapes are
     bitcasts). The weight's gradient then contracts one axis of tokens. Contracting batch and
@@ -35,11 +35,18 @@ def matmul_rows(x, w, k: int = 1, preferred_element_type=None):
     Only where ``x`` is whole on each device: inside a shard_map, or on one device. Over a
     mesh, merging the batch axis (split over data/fsdp) with the length (split over sequence)
     makes the partitioner gather the sequence first (the temporaries of tests/test_plan.py's
-    test_doubling_sequence_axis_halves_activation_memory doubled)."""
-    lead, inner, out = x.shape[:x.ndim - k], x.shape[x.ndim - k:], w.shape[k:]
-    y = jnp.matmul(x.reshape(math.prod(lead), math.prod(inner)),
-                   w.reshape(math.prod(inner), math.prod(out)),
-                   preferred_element_type=preferred_element_type)
+    test_doubling_sequence_axis_halves_activation_memory doubled).
+
+    ``w_transposed``: ``w`` holds its contracted axes last (``[out..., in...]``, as a tied
+    embedding table ``[V, D]`` is the head's), read as it is: its gradient comes out in its own
+    layout, no transposed copy of the table each way."""
+    lead, inner = x.shape[:x.ndim - k], x.shape[x.ndim - k:]
+    out = w.shape[:w.ndim - k] if w_transposed else w.shape[k:]
+    w2 = w.reshape((math.prod(out), math.prod(inner)) if w_transposed
+                   else (math.prod(inner), math.prod(out)))
+    y = jax.lax.dot_general(x.reshape(math.prod(lead), math.prod(inner)), w2,
+                            (((1,), (1 if w_transposed else 0,)), ((), ())),
+                            preferred_element_type=preferred_element_type)
     return y.reshape(lead + out)
 
 

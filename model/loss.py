@@ -32,9 +32,9 @@ def _scoped(name):
 
 
 @_scoped("loss")
-def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, eps: float,
+def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV=None, *, eps: float,
                          chunk: int, mesh=None, compute_dtype=jnp.float32, greedy_vocab=None,
-                         softcap: float = 0.0):
+                         softcap: float = 0.0, head_VD=None):
     """Per-token masked cross-entropy ``[B, L]`` (fp32, 0 where masked) of hidden states
     ``x_BLD`` (before the final RMSNorm of ``norm_scale_D``) against ``labels_BL``, in the
     batch's layout. The vocabulary is split over the mesh's tensor axis (padded to divide).
@@ -42,18 +42,22 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
     ``greedy_vocab=U`` (evaluation): ``[B, L, 2]`` instead, the loss and 1.0 where the label
     is the likeliest of the first U tokens (a tie counts as likeliest), as greedy decoding
     restricted to the tokenizer's U ids would pick it. ``softcap`` C > 0: the logits are
-    C * tanh(logits / C) (Gemma's final soft-capping)."""
+    C * tanh(logits / C) (Gemma's final soft-capping). The head is ``head_DV`` [D, V], or
+    ``head_VD`` [V, D] (a tied embedding table, read as it is)."""
+    if (head_DV is None) == (head_VD is None):
+        raise ValueError("give the head as one of head_DV [D, V] or head_VD [V, D]")
     acc = jnp.promote_types(compute_dtype, jnp.float32)  # fp32 logits (fp64 in the tests)
-    V = head_DV.shape[1]
+    vocab_axis = 0 if head_VD is not None else 1
+    head = cast_before_gather(head_DV if head_VD is None else head_VD, compute_dtype)
+    V = head.shape[vocab_axis]
     t = mesh.shape["tensor"] if mesh is not None else 1
-    head_DV = cast_before_gather(head_DV, compute_dtype)
     if V % t:
-        head_DV = jnp.pad(head_DV, ((0, 0), (0, t - V % t)))
+        head = jnp.pad(head, [(0, t - V % t) if a == vocab_axis else (0, 0) for a in range(2)])
 
     def one_chunk(w, x_BcD, labels_Bc, mask_Bc, axis):
-        scale_D, head_Dv = w
-        logits_Bcv = matmul_rows(rms_norm(x_BcD, scale_D, eps), head_Dv,
-                                 preferred_element_type=acc)
+        scale_D, head_w = w
+        logits_Bcv = matmul_rows(rms_norm(x_BcD, scale_D, eps), head_w,
+                                 preferred_element_type=acc, w_transposed=vocab_axis == 0)
         if softcap:
             logits_Bcv = jnp.tanh(logits_Bcv / softcap) * softcap
         v = logits_Bcv.shape[-1]
@@ -80,6 +84,7 @@ def chunked_token_losses(x_BLD, labels_BL, mask_BL, norm_scale_D, head_DV, *, ep
             usable_Bc = jax.lax.pmax(usable_Bc, axis)
         return jnp.stack([loss_Bc, (picked_Bc >= usable_Bc).astype(acc)], -1)
 
-    return map_chunks(one_chunk, (norm_scale_D, head_DV), (P(), P(None, "tensor")),
+    head_spec = P("tensor", None) if vocab_axis == 0 else P(None, "tensor")
+    return map_chunks(one_chunk, (norm_scale_D, head), (P(), head_spec),
                       (x_BLD, labels_BL, mask_BL.astype(acc)), chunk, mesh,
                       out_rank=2 if greedy_vocab is None else 3, remat_one=False)

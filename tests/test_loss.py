@@ -27,14 +27,17 @@ def test_num_chunks():
     assert num_chunks(16, 4) == (4, 4) and num_chunks(16, 6) == (3, 6)
 
 
-@pytest.mark.parametrize("mesh,chunk", [
-    ({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, 6),  # 16-token slices: 6 + 6 + 4 (padded)
-    ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 8),  # vocab over tensor, even chunks
+@pytest.mark.parametrize("mesh,chunk,vocab_major", [
+    ({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}, 6, False),  # 6 + 6 + 4 (padded)
+    ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 8, False),  # vocab over tensor
     # one chunk per slice: no remat (map_chunks' remat_one=False), the padded vocab over tensor
-    ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 0),
-    (None, 5),
+    ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 0, False),
+    (None, 5, False),
+    # a tied head: the embedding table [V, D] as it is (head_VD), padded and split over tensor
+    ({"data": 1, "fsdp": 2, "sequence": 2, "tensor": 2}, 8, True),
+    (None, 0, True),
 ])
-def test_chunked_equals_full_in_float64(mesh, chunk):
+def test_chunked_equals_full_in_float64(mesh, chunk, vocab_major):
     with jax.enable_x64(True):
         rng = np.random.default_rng()
         B, L, D, V = 4, 64, 24, 37  # an odd vocabulary: split over tensor=2 it is padded
@@ -49,7 +52,8 @@ def test_chunked_equals_full_in_float64(mesh, chunk):
         m = make_mesh(mesh) if mesh else None
 
         def chunked(x, scale, head):
-            ce = chunked_token_losses(x, labels, mask, scale, head, eps=1e-5,
+            given = {"head_VD": head.T} if vocab_major else {"head_DV": head}
+            ce = chunked_token_losses(x, labels, mask, scale, **given, eps=1e-5,
                                       chunk=chunk, mesh=m, compute_dtype=jnp.float64)
             return ce.sum() / mask.sum(), ce
 
@@ -65,3 +69,10 @@ def test_chunked_equals_full_in_float64(mesh, chunk):
         assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want))
         for g, w in zip(got_g, want_g):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-13)
+
+
+def test_the_head_is_given_one_way():
+    x = jnp.ones((1, 4, 8))
+    with pytest.raises(ValueError, match="one of head_DV"):
+        chunked_token_losses(x, jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4)), jnp.ones(8),
+                             jnp.ones((8, 5)), head_VD=jnp.ones((5, 8)), eps=1e-5, chunk=0)
