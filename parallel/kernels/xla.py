@@ -36,12 +36,14 @@ XLA_TILE = 512  # positions, both sides
 FIT_DEFAULTS = False
 # The backward's tiles: a forward tile above this runs the backward on its largest divisor not
 # above it (so it still divides the chunk), unless that is under a quarter of it (300 runs
-# 150, a prime 307 keeps 307). Its five einsums and four elementwise passes per tile run on [q, G, kv]
-# score tiles, and at 512 x 512 those (9 MB for 3 query heads per KV head) leave a CPU's caches.
+# 150, a prime 307 keeps 307). Its five einsums and four elementwise passes per tile run on
+# [kv, q, G] score tiles, and at 512 x 512 those (9 MB for 3 query heads per KV head) leave a
+# CPU's caches.
 # SmolLM2's shapes at 2,048 tokens (scripts/bench_step.py, 8 layers; the profile's attention
 # backward row, read before it counted the kernel's tile einsums): 1.30 s at 512, 0.64 s at 256,
 # 0.88 s at 128; the whole step 9.9-10.8 s -> 9.5-9.9 with the loss's pick. The forward is
-# fastest at 512.
+# fastest at 512. Still so with key-major tiles (attend_block_bwd; one layer's forward and
+# backward at SmolLM2's shapes, 2026-12-07): 0.29 s at 512, 0.23 s at 256, 0.38 s at 128.
 XLA_BWD_TILE = 256
 
 
