@@ -24,7 +24,8 @@ from model.weights import ACTIVATIONS, _bias, _param  # noqa: F401 (decoder.py's
 
 
 
-def matmul_rows(x, w, k: int = 1, preferred_element_type=None, w_transposed: bool = False):
+def matmul_rows(x, w, k: int = 1, preferred_element_type=None, w_transposed: bool = False,
+                merge: bool = True):
     """``x``'s last ``k`` axes contracted with ``w``'s first ``k`` (an einsum such as
     ``bld,dhk->blhk``), as one 2-D matmul over x's other axes merged into rows (the reshapes are
     bitcasts). The weight's gradient then contracts one axis of tokens. Contracting batch and
@@ -39,7 +40,13 @@ def matmul_rows(x, w, k: int = 1, preferred_element_type=None, w_transposed: boo
 
     ``w_transposed``: ``w`` holds its contracted axes last (``[out..., in...]``, as a tied
     embedding table ``[V, D]`` is the head's), read as it is: its gradient comes out in its own
-    layout, no transposed copy of the table each way."""
+    layout, no transposed copy of the table each way. ``merge`` False (x split over a mesh,
+    ``one_device``): the same contraction with x's axes kept (``jnp.tensordot``)."""
+    if not merge:
+        return jnp.tensordot(x, w, axes=(tuple(range(x.ndim - k, x.ndim)),
+                                         tuple(range(w.ndim - k, w.ndim)) if w_transposed
+                                         else tuple(range(k))),
+                             preferred_element_type=preferred_element_type)
     lead, inner = x.shape[:x.ndim - k], x.shape[x.ndim - k:]
     out = w.shape[:w.ndim - k] if w_transposed else w.shape[k:]
     w2 = w.reshape((math.prod(out), math.prod(inner)) if w_transposed
@@ -193,9 +200,8 @@ class Attention(nnx.Module):
                                                      lora_lib.salt(name)))
 
     def _project(self, x_BLD, w_DHK, b_HK, adapter=None):
-        w_DHK = w_DHK[...].astype(self.dtype)
-        y_BLHK = (matmul_rows(x_BLD, w_DHK) if one_device(self.backend.mesh)
-                  else jnp.einsum("bld,dhk->blhk", x_BLD, w_DHK))
+        y_BLHK = matmul_rows(x_BLD, w_DHK[...].astype(self.dtype),
+                             merge=one_device(self.backend.mesh))
         if adapter is not None:
             y_BLHK = y_BLHK + adapter(x_BLD, self.dtype)
         return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
@@ -214,9 +220,8 @@ class Attention(nnx.Module):
             o_BLHD = self.backend(q_BLHD, k_BLKD, v_BLKD, segment_ids_BL, kind.window, sinks_H)
         else:
             o_BLHD = attention(q_BLHD, k_BLKD, v_BLKD, sinks_H)
-        o_BLHD, wo_HKD = o_BLHD.astype(self.dtype), self.wo[...].astype(self.dtype)
-        out_BLD = (matmul_rows(o_BLHD, wo_HKD, 2) if one_device(self.backend.mesh)
-                   else jnp.einsum("blhk,hkd->bld", o_BLHD, wo_HKD))
+        out_BLD = matmul_rows(o_BLHD.astype(self.dtype), self.wo[...].astype(self.dtype), 2,
+                              merge=one_device(self.backend.mesh))
         if (adapter := lora_lib.adapter(self, "lora_o")) is not None:
             out_BLD = out_BLD + adapter(o_BLHD.astype(self.dtype), self.dtype)
         if self.bo is not None:
@@ -289,7 +294,7 @@ def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", ad
     adapters' dropout (model/lora.py ``dropout``). ``rows``: x is whole on this device (a
     shard_map's block, or one device), so the matmuls run on its tokens as rows
     (``matmul_rows``)."""
-    mm = matmul_rows if rows else jnp.matmul
+    mm = functools.partial(matmul_rows, merge=rows)
     if adapters is None:
         return mm(ACTIVATIONS[activation](mm(x_BLD, w_gate_DF)) * mm(x_BLD, w_up_DF), w_down_FD)
     (gate, up, down), scale, rate = adapters

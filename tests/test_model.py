@@ -266,11 +266,16 @@ def test_matmul_rows_is_the_einsum_in_float64(rng, k):
     from model.layers import matmul_rows
     x = rng.standard_normal((2, 5, 3, 4)[:4 - (k == 1)])
     w = rng.standard_normal(x.shape[x.ndim - k:] + (6, 7))
-    with jax.enable_x64():
-        got = np.asarray(jax.jit(matmul_rows, static_argnums=2)(x, w, k))
     want = np.tensordot(x, w, axes=k)
-    assert got.shape == want.shape and got.dtype == np.float64
-    np.testing.assert_allclose(got, want, rtol=1e-13)
+    # the weight as given and with its contracted axes last; rows merged, and kept (over a mesh)
+    w_t = np.moveaxis(w, tuple(range(k)), tuple(range(w.ndim - k, w.ndim)))
+    for weight, transposed in ((w, False), (w_t, True)):
+        for merge in (True, False):
+            with jax.enable_x64():
+                got = np.asarray(jax.jit(functools.partial(
+                    matmul_rows, k=k, w_transposed=transposed, merge=merge))(x, weight))
+            assert got.shape == want.shape and got.dtype == np.float64, (transposed, merge)
+            np.testing.assert_allclose(got, want, rtol=1e-13, err_msg=f"{transposed} {merge}")
 
 
 def test_the_mlps_weight_gradients_read_their_tokens_as_rows(rng):
