@@ -96,6 +96,30 @@ def test_a_raw_gpu_trace_reads_every_kernel_by_its_hlo_op():
     assert "line 'Stream #14(Memset,Compute,MemcpyD2H)': 3 events" in said and "'hlo_op'" in said
 
 
+def test_an_asynchronous_cpu_thunk_lasts_until_its_end_event():
+    """XLA's CPU runtime traces a thunk it hands to Eigen's pool (a weight gradient's dot, a big
+    copy) as a launch of a few microseconds (stat _p, a context id) and an "end: <op>" event
+    (stat _c, the same id) when it finishes, as jax 0.10's traces of the SmolLM2 step show: the
+    op runs from its launch to that end. A synchronous thunk keeps its own span, and another
+    device's thunks stay out."""
+    from types import SimpleNamespace as NS
+    ops, comps = profile.parse_hlo(HLO)
+    host = _plane("/host:CPU", [
+        ("tf_XLAEigen/1", [("fusion.1", 0, 1, {"hlo_op": "fusion.1", "device_ordinal": 0,
+                                               "_p": 7}),
+                           ("fusion.2", 2, 5, {"hlo_op": "fusion.2", "device_ordinal": 0,
+                                               "_p": 8}),
+                           ("fusion.1", 3, 4, {"hlo_op": "fusion.1", "device_ordinal": 1,
+                                               "_p": 9})]),
+        ("tf_XLAEigen/2", [("end: fusion.1", 40, 41, {"_c": 7}),
+                           ("end: fusion.1", 90, 91, {"_c": 9})])])
+    got = [(iv.start, iv.end, iv.row) for iv in
+           profile.device_ops(NS(planes=[host]), ops, comps, device=0)]
+    assert got == [(0, 40, "matmuls"), (2, 5, "attention forward")]
+    assert profile.attribute(profile.device_ops(NS(planes=[host]), ops, comps), (0, 40))[
+        "host gaps"] == 0
+
+
 def test_the_gpu_trace_options_are_options_this_jax_knows():
     """profile_step compiles a GPU step with GPU_TRACE_OPTIONS: a misspelt option or value would
     fail there only, so it is compiled here (XLA checks every option on any platform)."""

@@ -129,7 +129,8 @@ GPU_OP_LINES = ("XLA Ops", "Ops")
 def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interval]:
     """The leaf XLA ops of ``device`` in the trace: on a GPU's ``/device:GPU:N`` plane its
     ``XLA Ops`` line, or where the trace holds only CUPTI's stream lines, every kernel that names
-    its HLO op (stat ``hlo_op``); on a CPU the thunks whose ``device_ordinal`` is ``device``."""
+    its HLO op (stat ``hlo_op``); on a CPU the thunks whose ``device_ordinal`` is ``device``,
+    an asynchronous one until its ``end:`` event."""
     out = []
     for plane in profile.planes:
         gpu = re.search(r"/device:GPU:(\d+)", plane.name)
@@ -137,6 +138,7 @@ def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interva
             continue
         lines = list(plane.lines)
         derived = [ln for ln in lines if ln.name in GPU_OP_LINES]
+        done = {} if gpu else async_ends(lines)
         for line in (derived or lines) if gpu else lines:
             for e in line.events:
                 stats = dict(e.stats)
@@ -146,8 +148,28 @@ def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interva
                 op = ops.get(name)
                 if op is not None and op.opcode in CONTAINERS:
                     continue
-                out.append(Interval(int(e.start_ns), int(e.end_ns), row_of(op, comps)))
+                end = max(int(e.end_ns), done.get(stats.get(ASYNC_START), 0))
+                out.append(Interval(int(e.start_ns), end, row_of(op, comps)))
     return out
+
+
+# A CPU thunk that runs asynchronously (a dot or copy handed to Eigen's pool) is traced as two
+# events: its launch (an instant, stat "_p": a context id) and an "end: <op>" event whose "_c"
+# is that id when it finishes. Without the pair, a 40 ms weight-gradient dot read as 0.1 ms of
+# matmul and the rest as host gaps.
+ASYNC_START, ASYNC_END = "_p", "_c"
+
+
+def async_ends(lines) -> dict:
+    """Context id -> when its ``end:`` event happened, over a CPU plane's lines."""
+    ends = {}
+    for line in lines:
+        for e in line.events:
+            if e.name.startswith("end: "):
+                ctx = dict(e.stats).get(ASYNC_END)
+                if ctx is not None:
+                    ends[ctx] = int(e.start_ns)
+    return ends
 
 
 def describe(profile, limit: int = 12) -> str:
