@@ -120,6 +120,42 @@ def test_an_asynchronous_cpu_thunk_lasts_until_its_end_event():
         "host gaps"] == 0
 
 
+def test_a_real_cpu_trace_runs_an_eigen_dot_to_its_end(tmp_path):
+    """The runtime's own trace of a dot it hands to Eigen (a weight gradient's x^T dy,
+    2,048 x 576 -> 1,536, contracting the first axis of both, as the step's dW): its launch
+    event is a fraction of its run, the rest is in its "end:" event. Read by device_ops, the
+    dot is the matmul row for nearly all of each traced call (by the launch alone it was the
+    launch's milliseconds, the rest host gaps)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2048, 576), np.float32))
+    dy = jnp.asarray(rng.standard_normal((2048, 1536), np.float32))
+    compiled = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))).lower(
+        x, dy).compile()
+    compiled(x, dy).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path))
+    try:
+        for i in range(3):
+            with jax.profiler.StepTraceAnnotation(profile.STEP_EVENT, step_num=i):
+                compiled(x, dy).block_until_ready()
+    finally:
+        jax.profiler.stop_trace()
+    data = jax.profiler.ProfileData.from_file(str(next(tmp_path.glob("**/*.xplane.pb"))))
+    ops, comps = profile.parse_hlo(compiled.as_text())
+    launches = [e for plane in data.planes for line in plane.lines for e in line.events
+                if dict(e.stats).get("hlo_op") in ops and ops[dict(e.stats)["hlo_op"]].opcode
+                == "dot"]
+    assert launches and all(dict(e.stats).get(profile.ASYNC_START) is not None for e in launches)
+    intervals = profile.device_ops(data, ops, comps)
+    windows = profile.step_windows(data)
+    assert len(windows) == 3
+    for window in windows:
+        rows = profile.attribute(intervals, window)
+        assert rows["matmuls"] > 0.8 * (window[1] - window[0]) / 1e9, rows
+
+
 def test_the_gpu_trace_options_are_options_this_jax_knows():
     """profile_step compiles a GPU step with GPU_TRACE_OPTIONS: a misspelt option or value would
     fail there only, so it is compiled here (XLA checks every option on any platform)."""
