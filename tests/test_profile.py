@@ -96,64 +96,71 @@ def test_a_raw_gpu_trace_reads_every_kernel_by_its_hlo_op():
     assert "line 'Stream #14(Memset,Compute,MemcpyD2H)': 3 events" in said and "'hlo_op'" in said
 
 
-def test_an_asynchronous_cpu_thunk_lasts_until_its_end_event():
+def test_an_asynchronous_cpu_thunk_runs_until_what_it_unblocked_starts():
     """XLA's CPU runtime traces a thunk it hands to Eigen's pool (a weight gradient's dot, a big
-    copy) as a launch of a few microseconds (stat _p, a context id) and an "end: <op>" event
-    (stat _c, the same id) when it finishes, as jax 0.10's traces of the SmolLM2 step show: the
-    op runs from its launch to that end. A synchronous thunk keeps its own span, and another
-    device's thunks stay out."""
+    copy) as a launch (stat _p, a context id) and an "end: <op>" event (stat _c, the same id)
+    that it records only after running, on the thread that finished the op, the thunks the op
+    unblocked. The op runs from its launch to the first of those (the thread's next launch), or
+    to its end event where the thread launched nothing after it, and never past the step that
+    launched it. A synchronous thunk keeps its own span; another device's thunks stay out."""
     from types import SimpleNamespace as NS
     ops, comps = profile.parse_hlo(HLO)
+    launch = lambda op, s, t, ctx, device=0: (op, s, t, {"hlo_op": op, "device_ordinal": device,
+                                                       "_p": ctx})
     host = _plane("/host:CPU", [
-        ("tf_XLAEigen/1", [("fusion.1", 0, 1, {"hlo_op": "fusion.1", "device_ordinal": 0,
-                                               "_p": 7}),
-                           ("fusion.2", 2, 5, {"hlo_op": "fusion.2", "device_ordinal": 0,
-                                               "_p": 8}),
-                           ("fusion.1", 3, 4, {"hlo_op": "fusion.1", "device_ordinal": 1,
-                                               "_p": 9})]),
-        ("tf_XLAEigen/2", [("end: fusion.1", 40, 41, {"_c": 7}),
-                           ("end: fusion.1", 90, 91, {"_c": 9})])])
-    got = [(iv.start, iv.end, iv.row) for iv in
-           profile.device_ops(NS(planes=[host]), ops, comps, device=0)]
-    assert got == [(0, 40, "matmuls"), (2, 5, "attention forward")]
-    assert profile.attribute(profile.device_ops(NS(planes=[host]), ops, comps), (0, 40))[
-        "host gaps"] == 0
+        ("python3", [("profile_step", 0, 35, {})]),
+        ("tf_XLAEigen/1", [launch("fusion.1", 0, 1, 7), launch("fusion.2", 2, 5, 8),
+                           launch("fusion.1", 3, 4, 9, device=1)]),
+        ("tf_XLAEigen/2", [launch("fusion.4", 30, 33, 10),  # what fusion.1 unblocked
+                           ("end: fusion.1", 34, 34, {"_c": 7}),
+                           ("end: fusion.1", 90, 91, {"_c": 9})]),
+        ("tf_XLAEigen/3", [("end: fusion.2", 50, 50, {"_c": 8})])])  # after the step
+    trace = NS(planes=[host])
+    got = [(iv.start, iv.end, iv.row) for iv in profile.device_ops(trace, ops, comps, device=0)]
+    assert sorted(got) == [(0, 30, "matmuls"), (2, 35, "attention forward"),
+                           (30, 33, "optimizer")]
+    rows = profile.attribute(profile.device_ops(trace, ops, comps), (0, 35))
+    assert rows["host gaps"] == 0 and rows["matmuls"] * 1e9 == pytest.approx(2 + 28 / 2)
 
 
-def test_a_real_cpu_trace_runs_an_eigen_dot_to_its_end(tmp_path):
-    """The runtime's own trace of a dot it hands to Eigen (a weight gradient's x^T dy,
-    2,048 x 576 -> 1,536, contracting the first axis of both, as the step's dW): its launch
-    event is a fraction of its run, the rest is in its "end:" event. Read by device_ops, the
-    dot is the matmul row for nearly all of each traced call (by the launch alone it was the
-    launch's milliseconds, the rest host gaps)."""
+def test_a_real_cpu_trace_runs_an_eigen_dot_until_its_consumer(tmp_path):
+    """The runtime's own trace of a dot it hands to Eigen (a weight gradient's x^T dy, 2,048 x
+    576 -> 1,536, as the step's dW) and a sort of its result: the dot's launch event is a
+    fraction of its run and its end event comes after the sort. Read by device_ops, the dot runs
+    from its launch to the sort's, and the two fill each traced call (by the launch alone the
+    dot was a few milliseconds of matmul and the rest host gaps)."""
+    import time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2048, 576), np.float32))
     dy = jnp.asarray(rng.standard_normal((2048, 1536), np.float32))
-    compiled = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))).lower(
-        x, dy).compile()
+    compiled = jax.jit(lambda a, b: jnp.sort(jax.lax.dot_general(
+        a, b, (((0,), (0,)), ((), ()))), axis=0)).lower(x, dy).compile()
     compiled(x, dy).block_until_ready()
     jax.profiler.start_trace(str(tmp_path))
     try:
         for i in range(3):
             with jax.profiler.StepTraceAnnotation(profile.STEP_EVENT, step_num=i):
                 compiled(x, dy).block_until_ready()
+        time.sleep(0.05)  # the last call's end events
     finally:
         jax.profiler.stop_trace()
     data = jax.profiler.ProfileData.from_file(str(next(tmp_path.glob("**/*.xplane.pb"))))
     ops, comps = profile.parse_hlo(compiled.as_text())
-    launches = [e for plane in data.planes for line in plane.lines for e in line.events
-                if dict(e.stats).get("hlo_op") in ops and ops[dict(e.stats)["hlo_op"]].opcode
-                == "dot"]
-    assert launches and all(dict(e.stats).get(profile.ASYNC_START) is not None for e in launches)
     intervals = profile.device_ops(data, ops, comps)
     windows = profile.step_windows(data)
     assert len(windows) == 3
-    for window in windows:
-        rows = profile.attribute(intervals, window)
-        assert rows["matmuls"] > 0.8 * (window[1] - window[0]) / 1e9, rows
+    for lo, hi in windows:
+        mine = sorted((iv.start, iv.end, iv.row) for iv in intervals if lo <= iv.start <= hi)
+        dots = [iv for iv in mine if iv[2] == "matmuls"]
+        assert len(dots) == 1 and dots[0][1] - dots[0][0] > 5e6, mine  # 23 ms bare
+        after = [iv for iv in mine if iv[0] > dots[0][0]]
+        assert after and dots[0][1] <= after[0][0], mine  # not past what it unblocked
+        rows = profile.attribute(intervals, (lo, hi))
+        assert rows["host gaps"] < 0.1 * (hi - lo) / 1e9, rows
 
 
 def test_the_gpu_trace_options_are_options_this_jax_knows():

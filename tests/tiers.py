@@ -240,7 +240,7 @@ NEXT = {
         "jax.distributed's timeout",
     # the profiler's trace
     "test_profile.py::test_profile_of_a_cpu_step_adds_up_to_the_step": "jax.profiler's trace",
-    "test_profile.py::test_a_real_cpu_trace_runs_an_eigen_dot_to_its_end":
+    "test_profile.py::test_a_real_cpu_trace_runs_an_eigen_dot_until_its_consumer":
         "the CPU runtime's events of an asynchronous dot",
     "test_profile.py::test_the_gpu_trace_options_are_options_this_jax_knows":
         "XLA's compiler options",

@@ -21,6 +21,7 @@ step exactly and the step to the wall clock the script measures around it.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import re
@@ -130,15 +131,16 @@ def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interva
     """The leaf XLA ops of ``device`` in the trace: on a GPU's ``/device:GPU:N`` plane its
     ``XLA Ops`` line, or where the trace holds only CUPTI's stream lines, every kernel that names
     its HLO op (stat ``hlo_op``); on a CPU the thunks whose ``device_ordinal`` is ``device``,
-    an asynchronous one until its ``end:`` event."""
+    an asynchronous one until it finished (``async_end``)."""
     out = []
+    windows = step_windows(profile)
     for plane in profile.planes:
         gpu = re.search(r"/device:GPU:(\d+)", plane.name)
         if gpu and int(gpu.group(1)) != device:
             continue
         lines = list(plane.lines)
         derived = [ln for ln in lines if ln.name in GPU_OP_LINES]
-        done = {} if gpu else async_ends(lines)
+        finish = None if gpu else async_finish(lines, device, windows)
         for line in (derived or lines) if gpu else lines:
             for e in line.events:
                 stats = dict(e.stats)
@@ -148,28 +150,52 @@ def device_ops(profile, ops: dict, comps: dict, device: int = 0) -> list[Interva
                 op = ops.get(name)
                 if op is not None and op.opcode in CONTAINERS:
                     continue
-                end = max(int(e.end_ns), done.get(stats.get(ASYNC_START), 0))
+                end = int(e.end_ns)
+                if finish is not None:
+                    end = max(end, finish(int(e.start_ns), stats.get(ASYNC_START)))
                 out.append(Interval(int(e.start_ns), end, row_of(op, comps)))
     return out
 
 
-# A CPU thunk that runs asynchronously (a dot or copy handed to Eigen's pool) is traced as two
-# events: its launch (an instant, stat "_p": a context id) and an "end: <op>" event whose "_c"
-# is that id when it finishes. Without the pair, a 40 ms weight-gradient dot read as 0.1 ms of
-# matmul and the rest as host gaps.
+# A CPU thunk that runs asynchronously (a dot or copy handed to Eigen's pool) is traced as its
+# launch (stat "_p", a context id; a fraction of its run) and an "end: <op>" event (stat "_c",
+# the same id) recorded after it finished. Without the pair a 40 ms weight-gradient dot read as
+# its launch's 0.1 ms of matmul and the rest as host gaps. The end event is late, though: the
+# runtime first runs the thunks the op unblocked, inline on the thread that finished it, and
+# records the end after them (it can land in the next step, or after the trace stopped). So
+# the op runs until the first of those: the thread's first thunk launched after the op's
+# launch, and within the step that launched it.
 ASYNC_START, ASYNC_END = "_p", "_c"
 
 
-def async_ends(lines) -> dict:
-    """Context id -> when its ``end:`` event happened, over a CPU plane's lines."""
-    ends = {}
-    for line in lines:
+def async_finish(lines, device: int, windows: list[tuple[int, int]]):
+    """``finish(launch_ns, context_id) -> ns``: when an asynchronous thunk launched then
+    finished, by the rule above (0 for a thunk with no ``end:`` event)."""
+    ends, launches = {}, {}
+    for index, line in enumerate(lines):
+        starts = []
         for e in line.events:
-            if e.name.startswith("end: "):
-                ctx = dict(e.stats).get(ASYNC_END)
-                if ctx is not None:
-                    ends[ctx] = int(e.start_ns)
-    return ends
+            stats = dict(e.stats)
+            if e.name.startswith("end: ") and stats.get(ASYNC_END) is not None:
+                ends[stats[ASYNC_END]] = (int(e.start_ns), index)
+            elif stats.get("hlo_op") and stats.get("device_ordinal") == device:
+                starts.append(int(e.start_ns))
+        launches[index] = sorted(starts)
+    window_ends = sorted(windows)
+
+    def finish(launch_ns: int, ctx) -> int:
+        if ctx not in ends:
+            return 0
+        end_ns, index = ends[ctx]
+        on_line = launches[index]
+        nxt = bisect.bisect_right(on_line, launch_ns)
+        if nxt < len(on_line):
+            end_ns = min(end_ns, on_line[nxt])
+        for lo, hi in window_ends:
+            if lo <= launch_ns <= hi:
+                end_ns = min(end_ns, hi)
+        return end_ns
+    return finish
 
 
 def describe(profile, limit: int = 12) -> str:
@@ -252,6 +278,7 @@ def trace_steps(compiled, state, batch, warmup: int, steps: int, trace_dir,
                 state, metrics = compiled(state, batch)
                 jax.block_until_ready(metrics)
             walls.append(time.perf_counter() - t0)
+        time.sleep(0.05)  # the last step's asynchronous ops record their end events after it
     finally:
         jax.profiler.stop_trace()
     newest = max(trace_dir.glob("**/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
