@@ -171,7 +171,7 @@ ASYNC_START, ASYNC_END = "_p", "_c"
 def async_finish(lines, device: int, windows: list[tuple[int, int]]):
     """``finish(launch_ns, context_id) -> ns``: when an asynchronous thunk launched then
     finished, by the rule above (0 for a thunk with no ``end:`` event)."""
-    ends, launches = {}, {}
+    ends, launches = {}, []  # context id -> (end event's ns, its line); each line's launches
     for index, line in enumerate(lines):
         starts = []
         for e in line.events:
@@ -180,21 +180,17 @@ def async_finish(lines, device: int, windows: list[tuple[int, int]]):
                 ends[stats[ASYNC_END]] = (int(e.start_ns), index)
             elif stats.get("hlo_op") and stats.get("device_ordinal") == device:
                 starts.append(int(e.start_ns))
-        launches[index] = sorted(starts)
-    window_ends = sorted(windows)
+        launches.append(sorted(starts))
 
     def finish(launch_ns: int, ctx) -> int:
         if ctx not in ends:
             return 0
         end_ns, index = ends[ctx]
         on_line = launches[index]
-        nxt = bisect.bisect_right(on_line, launch_ns)
+        nxt = bisect.bisect_right(on_line, launch_ns)  # the thread's first launch after it
         if nxt < len(on_line):
             end_ns = min(end_ns, on_line[nxt])
-        for lo, hi in window_ends:
-            if lo <= launch_ns <= hi:
-                end_ns = min(end_ns, hi)
-        return end_ns
+        return min([end_ns] + [hi for lo, hi in windows if lo <= launch_ns <= hi])
     return finish
 
 
