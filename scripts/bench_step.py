@@ -12,8 +12,9 @@ transformers' default), on 1 device; the process is pinned to ``--cores`` cores 
 library starts (torch.set_num_threads too, and XLA's CPU client sizes its pool from them). The
 torch side is transformers' model class for the config our exporter writes (hf/config.py), eager,
 its default attention (SDPA). Each side: ``--warmup`` untimed steps, then ``--steps`` timed ones
-(the median is the figure); then one traced step of ours, cut into training/profile.py's rows
-(scripts/profile_step.py's table). Prints a markdown table and writes the JSON.
+(the median is the figure), with each step's CPU seconds and page faults; then one traced step
+of ours, cut into training/profile.py's rows (scripts/profile_step.py's table). Prints a
+markdown table and writes the JSON.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -75,15 +77,26 @@ def bad_flags(args) -> str | None:
     return None
 
 
-def timed(step, warmup: int, steps: int) -> list[float]:
+def timed(step, warmup: int, steps: int) -> dict:
+    """``--steps`` timed steps after ``warmup``: their wall times and, per step, the process's
+    CPU seconds (user and system, every thread's) and page faults (minor: memory the kernel
+    mapped afresh). Both sides keep both cores busy, so CPU seconds say how much work a step is;
+    the system time is mostly its faults, whose cost on a virtual machine depends on what the
+    host did with the memory since (docs/benchmarks.md)."""
     for _ in range(warmup):
         step()
-    walls = []
+    walls, user, system, faults = [], [], [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         step()
         walls.append(time.perf_counter() - t0)
-    return walls
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        user.append(r1.ru_utime - r0.ru_utime)
+        system.append(r1.ru_stime - r0.ru_stime)
+        faults.append(r1.ru_minflt - r0.ru_minflt)
+    return {"walls_s": walls, "median_s": statistics.median(walls),
+            "user_s": statistics.median(user), "system_s": statistics.median(system),
+            "faults": int(statistics.median(faults))}
 
 
 def ours(config, ids, args) -> dict:
@@ -110,11 +123,11 @@ def ours(config, ids, args) -> dict:
         holder["state"], metrics = jax.block_until_ready(compiled(holder["state"], batch))
         holder.setdefault("first_loss", float(metrics["loss"]))
 
-    walls = timed(step, args.warmup, args.steps)
+    times = timed(step, args.warmup, args.steps)
     ops, comps = profile.parse_hlo(compiled.as_text())
     rows, traced, trace = profile.trace_steps(compiled, holder["state"], batch, 0, 1,
                                               args.trace_dir, ops, comps)
-    return {"walls_s": walls, "median_s": statistics.median(walls), "compile_s": compile_s,
+    return {**times, "compile_s": compile_s,
             "first_loss": holder["first_loss"], "rows_s": rows, "traced_s": traced[0],
             "flops": profile.row_flops(config, 1),
             "trace": str(trace)}
@@ -143,16 +156,16 @@ def theirs(config, ids, args) -> dict:
         opt.zero_grad(set_to_none=True)
         holder.setdefault("first_loss", float(loss.detach()))
 
-    walls = timed(step, args.warmup, args.steps)
-    return {"walls_s": walls, "median_s": statistics.median(walls),
-            "first_loss": holder["first_loss"],
+    times = timed(step, args.warmup, args.steps)
+    return {**times, "first_loss": holder["first_loss"],
             "library": f"transformers {transformers.__version__} + torch {torch.__version__}",
             "attention": model.config._attn_implementation, "threads": torch.get_num_threads()}
 
 
 def table(out: dict) -> str:
     tokens = out["seq_len"]
-    lines = ["| side | step (median) | tokens/s | vs torch |", "|---|---:|---:|---:|"]
+    lines = ["| side | step (median) | tokens/s | vs torch | CPU s a step (user + system) "
+             "| page faults a step |", "|---|---:|---:|---:|---:|---:|"]
     t = out.get("torch")
     names = {"torch": f"{t['library']} eager, {t['attention']}" if t else "",
              "ours": "ours (jitted train step, remat none)"}
@@ -161,7 +174,7 @@ def table(out: dict) -> str:
         if r:
             vs = f"{r['median_s'] / t['median_s']:.2f}x" if t else ""
             lines.append(f"| {names[side]} | {r['median_s']:.3g} s | {tokens / r['median_s']:.0f} "
-                         f"| {vs} |")
+                         f"| {vs} | {r['user_s']:.1f} + {r['system_s']:.1f} | {r['faults']:,} |")
     return "\n".join(lines)
 
 
@@ -191,7 +204,11 @@ def main(argv=None) -> int:
         0, config.model.vocab_size, (1, args.seq_len)).astype(np.int32)
     out = {"model": args.run or args.model, "seq_len": args.seq_len,
            "cores": len(os.sched_getaffinity(0)), "steps": args.steps, "warmup": args.warmup}
-    for side in SIDES:  # ours first: torch's threads stay idle while XLA compiles and runs
+    # Ours first, then torch, each side's steps together: torch's threads stay idle while XLA
+    # compiles and runs, and neither side's steps follow the other's. Alternated one step each
+    # (SmolLM2, 2026-12-07), ours after a torch step took 51-60 s against 28-35 after its own:
+    # the same 1.3M page faults, 60 s of system time instead of 4-12 on this virtual machine.
+    for side in SIDES:
         if side in sides:
             print(f"{side}: {args.warmup} + {args.steps} steps ...", file=sys.stderr, flush=True)
             out[side] = (ours if side == "ours" else theirs)(config, ids, args)

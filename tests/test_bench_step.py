@@ -21,11 +21,16 @@ def test_both_sides_take_the_same_model_and_tokens_and_the_profile_adds_up(tmp_p
     vocab = 2048  # configs/tiny.py
     for side in (ours, torch):
         assert len(side["walls_s"]) == 2 and side["median_s"] > 0
+        # the process's CPU seconds over a step: some, and no more than its cores over the step
+        cpu = side["user_s"] + side["system_s"]
+        assert 0 < cpu <= got["cores"] * max(side["walls_s"]) + 0.1, side
+        assert side["faults"] >= 0
         assert abs(side["first_loss"] - math.log(vocab)) < 0.2, side["first_loss"]
     assert torch["attention"] == "sdpa"
     assert sum(ours["rows_s"].values()) == pytest.approx(ours["traced_s"], rel=0.05)
     table = capsys.readouterr().out
     assert f"| {ours['median_s'] / torch['median_s']:.2f}x |" in table
+    assert f"| {ours['user_s']:.1f} + {ours['system_s']:.1f} | {ours['faults']:,} |" in table
     assert "| matmuls |" in table and "| loss |" in table
 
 
