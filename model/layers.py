@@ -199,9 +199,15 @@ class Attention(nnx.Module):
                 setattr(self, name, lora_lib.Adapter(lora_rngs, *shapes[weight], lora,
                                                      lora_lib.salt(name)))
 
-    def _project(self, x_BLD, w_DHK, b_HK, adapter=None):
-        y_BLHK = matmul_rows(x_BLD, w_DHK[...].astype(self.dtype),
-                             merge=one_device(self.backend.mesh))
+    def _project(self, x_BLD, w_DHK, b_HK, adapter=None, x_ND=None):
+        """``x_ND``: ``x_BLD``'s tokens as rows (one device), made once for q, k and v: the
+        backward then keeps one copy of the input for the three weight gradients, not three."""
+        if x_ND is not None:
+            w = w_DHK[...].astype(self.dtype)
+            y_BLHK = matmul_rows(x_ND, w).reshape(*x_BLD.shape[:-1], *w.shape[1:])
+        else:
+            y_BLHK = matmul_rows(x_BLD, w_DHK[...].astype(self.dtype),
+                                 merge=one_device(self.backend.mesh))
         if adapter is not None:
             y_BLHK = y_BLHK + adapter(x_BLD, self.dtype)
         return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
@@ -232,8 +238,10 @@ class Attention(nnx.Module):
         """Queries, keys (both rotated to their positions by ``rope``; None: a NoPE layer)
         and values."""
         ad = functools.partial(lora_lib.adapter, self)
-        q_BLHD = self._project(x_BLD, self.wq, self.bq, ad("lora_q"))  # bias before norm, RoPE
-        k_BLKD = self._project(x_BLD, self.wk, self.bk, ad("lora_k"))
+        x_ND = x_BLD.reshape(-1, x_BLD.shape[-1]) if one_device(self.backend.mesh) else None
+        project = functools.partial(self._project, x_ND=x_ND)
+        q_BLHD = project(x_BLD, self.wq, self.bq, ad("lora_q"))  # bias before norm, RoPE
+        k_BLKD = project(x_BLD, self.wk, self.bk, ad("lora_k"))
         if self.q_norm is not None and self.qk_whole:
             q_BLHD = self.q_norm(q_BLHD.reshape(*q_BLHD.shape[:2], -1)).reshape(q_BLHD.shape)
             k_BLKD = self.k_norm(k_BLKD.reshape(*k_BLKD.shape[:2], -1)).reshape(k_BLKD.shape)
@@ -243,7 +251,7 @@ class Attention(nnx.Module):
             q_BLHD, k_BLKD = rope(q_BLHD, positions_BL), rope(k_BLKD, positions_BL)
         if self.q_scale is not None:
             q_BLHD = q_BLHD * jnp.asarray(self.q_scale, q_BLHD.dtype)
-        return q_BLHD, k_BLKD, self._project(x_BLD, self.wv, self.bv, ad("lora_v"))
+        return q_BLHD, k_BLKD, project(x_BLD, self.wv, self.bv, ad("lora_v"))
 
 
 class GatedMLP(nnx.Module):
@@ -287,6 +295,27 @@ class GatedMLP(nnx.Module):
 MLP_ADAPTERS = ("lora_gate", "lora_up", "lora_down")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gate(activation: str, g, u):
+    """``act(g) * u``, whose backward keeps only ``g`` and ``u`` and recomputes ``act(g)``
+    (elementwise): JAX's own would also keep ``act(g)`` and the activation's insides (for
+    silu, ``sigmoid(g)``), each a [tokens, ffn] tensor a layer, the largest a step keeps."""
+    return ACTIVATIONS[activation](g) * u
+
+
+def _gate_fwd(activation, g, u):
+    return _gate(activation, g, u), (g, u)
+
+
+def _gate_bwd(activation, res, dh):
+    g, u = res
+    a, act_vjp = jax.vjp(ACTIVATIONS[activation], g)
+    return act_vjp(dh * u)[0], dh * a
+
+
+_gate.defvjp(_gate_fwd, _gate_bwd)
+
+
 def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", adapters=None,
               ids=None, offset=None, rows: bool = False):
     """``adapters``: ``GatedMLP.adapters``' (pairs, scale, dropout rate), or None. ``ids``,
@@ -295,8 +324,14 @@ def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", ad
     shard_map's block, or one device), so the matmuls run on its tokens as rows
     (``matmul_rows``)."""
     mm = functools.partial(matmul_rows, merge=rows)
+    if adapters is None and rows:
+        # The tokens as rows once, for both projections: the backward then keeps one copy of
+        # the input, and the gate, up and product as [tokens, ffn] (not also as [B, L, ffn]).
+        x_ND = x_BLD.reshape(-1, x_BLD.shape[-1])
+        h_NF = _gate(activation, mm(x_ND, w_gate_DF), mm(x_ND, w_up_DF))
+        return mm(h_NF, w_down_FD).reshape(*x_BLD.shape[:-1], w_down_FD.shape[-1])
     if adapters is None:
-        return mm(ACTIVATIONS[activation](mm(x_BLD, w_gate_DF)) * mm(x_BLD, w_up_DF), w_down_FD)
+        return mm(_gate(activation, mm(x_BLD, w_gate_DF), mm(x_BLD, w_up_DF)), w_down_FD)
     (gate, up, down), scale, rate = adapters
 
     def project(x, w, pair, name, offset=None):
