@@ -341,8 +341,8 @@ def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", ad
         x = lora_lib.dropout(x, rate, lora_lib.salt(name), 1, ids, offset)
         return y + lora_lib.delta(x, *pair, scale)
 
-    h = (ACTIVATIONS[activation](project(x_BLD, w_gate_DF, gate, "lora_gate"))
-         * project(x_BLD, w_up_DF, up, "lora_up"))
+    h = _gate(activation, project(x_BLD, w_gate_DF, gate, "lora_gate"),
+              project(x_BLD, w_up_DF, up, "lora_up"))
     return project(h, w_down_FD, down, "lora_down", offset)
 
 

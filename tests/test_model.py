@@ -359,5 +359,6 @@ def test_a_layer_keeps_one_copy_of_each_projections_input_and_three_ffn_activati
         jax.ad_checkpoint.print_saved_residuals(loss, params)
     kept = [line.split()[0] for line in out.getvalue().splitlines()]
     assert kept.count(f"f32[3,{T},{F}]") == 3 and f"f32[3,1,{T},{F}]" not in kept, kept
-    # rows of D: the attention's input, the MLP's input and the attention's output (for wo)
+    # rows of D: the attention's input, the MLP's input and the attention's output (for wo:
+    # [tokens, heads x head_dim], which is D in this config)
     assert kept.count(f"f32[3,{T},{D}]") == 3, kept
