@@ -19,7 +19,8 @@ from model import lora as lora_lib
 from model.moe import MoE, experts_of
 from model.pattern import LayerKind
 from model.rope import Rope
-from model.weights import ACTIVATIONS, _bias, _param  # noqa: F401 (decoder.py's _param)
+from model.weights import _bias, _param  # noqa: F401 (decoder.py's _param)
+from model.weights import gate as _gate
 
 
 
@@ -293,27 +294,6 @@ class GatedMLP(nnx.Module):
 
 
 MLP_ADAPTERS = ("lora_gate", "lora_up", "lora_down")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gate(activation: str, g, u):
-    """``act(g) * u``, whose backward keeps only ``g`` and ``u`` and recomputes ``act(g)``
-    (elementwise): JAX's own would also keep ``act(g)`` and the activation's insides (for
-    silu, ``sigmoid(g)``), each a [tokens, ffn] tensor a layer, the largest a step keeps."""
-    return ACTIVATIONS[activation](g) * u
-
-
-def _gate_fwd(activation, g, u):
-    return _gate(activation, g, u), (g, u)
-
-
-def _gate_bwd(activation, res, dh):
-    g, u = res
-    a, act_vjp = jax.vjp(ACTIVATIONS[activation], g)
-    return act_vjp(dh * u)[0], dh * a
-
-
-_gate.defvjp(_gate_fwd, _gate_bwd)
 
 
 def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", adapters=None,

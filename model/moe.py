@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.flops import expert_dim, moe_layers, num_experts as experts_of  # noqa: F401 (layers, state)
-from model.weights import ACTIVATIONS, _bias, _param
+from model.weights import _bias, _param
+from model.weights import gate as gate_of
 
 ROUTERS = ("softmax_topk", "topk_softmax")
 # dense: every expert on every token (a yardstick). grouped_matmul also takes ragged_shape, the
@@ -122,16 +123,16 @@ GLUS = ("gated", "clamped")  # model.moe.glu
 
 
 def silu_unit(gate, up):
-    return jax.nn.silu(gate) * up
+    return gate_of("silu", gate, up)
 
 
-def gated_unit(e, activation=jax.nn.silu):
+def gated_unit(e, activation: str = "silu"):
     """``unit(gate, up)``: the experts' hidden activations from their gate and up projections
     (``model.moe.glu``). gated: ``activation(gate) * up``. clamped (gpt-oss's): the gate
     clamped above at ``glu_limit`` and up to ``[-glu_limit, glu_limit]``, then ``(up + 1) *
     gate * sigmoid(glu_alpha * gate)``."""
     if e.get("glu", "gated") != "clamped":
-        return lambda gate, up: activation(gate) * up
+        return lambda gate, up: gate_of(activation, gate, up)  # act(gate) recomputed backward
     limit, alpha = float(e.glu_limit), float(e.glu_alpha)
 
     def clamped(gate, up):
@@ -292,7 +293,7 @@ class MoE(nnx.Module):
             self.b_gate = self.b_up = self.b_down = None
         self.dtype, self.num_experts, self.top_k = dtype, E, int(e.top_k)
         self.router_kind, self.renormalize = str(e.router), bool(e.renormalize)
-        self.unit = gated_unit(e, ACTIVATIONS[str(m.get("mlp_activation", "silu"))])
+        self.unit = gated_unit(e, str(m.get("mlp_activation", "silu")))
         self.impl = grouped_impl(str(e.get("grouped", "auto")))
         self.capacity_factor = float(e.get("capacity", 0.0) or 0.0)
         # gather: the experts come to every device's tokens; all_to_all: the tokens go to

@@ -309,8 +309,8 @@ def test_the_gate_gives_autodiffs_gradients_keeping_only_its_inputs(rng, activat
     import contextlib
     import io
 
-    from model.layers import _gate
     from model.weights import ACTIVATIONS
+    from model.weights import gate as _gate
     g, u, dh = (rng.standard_normal((24, 40)) for _ in range(3))
 
     def ours(g, u):
