@@ -203,12 +203,10 @@ class Attention(nnx.Module):
     def _project(self, x_BLD, w_DHK, b_HK, adapter=None, x_ND=None):
         """``x_ND``: ``x_BLD``'s tokens as rows (one device), made once for q, k and v: the
         backward then keeps one copy of the input for the three weight gradients, not three."""
-        if x_ND is not None:
-            w = w_DHK[...].astype(self.dtype)
-            y_BLHK = matmul_rows(x_ND, w).reshape(*x_BLD.shape[:-1], *w.shape[1:])
-        else:
-            y_BLHK = matmul_rows(x_BLD, w_DHK[...].astype(self.dtype),
-                                 merge=one_device(self.backend.mesh))
+        w = w_DHK[...].astype(self.dtype)
+        y_BLHK = matmul_rows(x_BLD if x_ND is None else x_ND, w,
+                             merge=one_device(self.backend.mesh)
+                             ).reshape(*x_BLD.shape[:-1], *w.shape[1:])
         if adapter is not None:
             y_BLHK = y_BLHK + adapter(x_BLD, self.dtype)
         return y_BLHK if b_HK is None else y_BLHK + b_HK[...].astype(self.dtype)
@@ -304,14 +302,13 @@ def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, activation: str = "silu", ad
     shard_map's block, or one device), so the matmuls run on its tokens as rows
     (``matmul_rows``)."""
     mm = functools.partial(matmul_rows, merge=rows)
-    if adapters is None and rows:
-        # The tokens as rows once, for both projections: the backward then keeps one copy of
-        # the input, and the gate, up and product as [tokens, ffn] (not also as [B, L, ffn]).
-        x_ND = x_BLD.reshape(-1, x_BLD.shape[-1])
-        h_NF = _gate(activation, mm(x_ND, w_gate_DF), mm(x_ND, w_up_DF))
-        return mm(h_NF, w_down_FD).reshape(*x_BLD.shape[:-1], w_down_FD.shape[-1])
     if adapters is None:
-        return mm(_gate(activation, mm(x_BLD, w_gate_DF), mm(x_BLD, w_up_DF)), w_down_FD)
+        # With rows, the tokens as rows once for both projections: the backward then keeps one
+        # copy of the input, and the gate, up and product as [tokens, ffn] (not also as
+        # [B, L, ffn]).
+        x = x_BLD.reshape(-1, x_BLD.shape[-1]) if rows else x_BLD
+        h = _gate(activation, mm(x, w_gate_DF), mm(x, w_up_DF))
+        return mm(h, w_down_FD).reshape(*x_BLD.shape[:-1], w_down_FD.shape[-1])
     (gate, up, down), scale, rate = adapters
 
     def project(x, w, pair, name, offset=None):
