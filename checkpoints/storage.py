@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import pathlib
+import re
 import shutil
 import traceback
 
@@ -65,6 +66,10 @@ def failed(step: int, path: pathlib.Path, exc: BaseException, newest: int | None
         f"and rerun the same command to resume")
 
 
+# tensorstore's failed read or write: an absl status code, then what it was doing.
+_TENSORSTORE_IO = re.compile(r"[A-Z_]+: Error (opening|reading|writing) ")
+
+
 def _not_a_background_failure(record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR
                 and record.pathname.replace(os.sep, "/").endswith(_BACKGROUND))
@@ -76,11 +81,12 @@ def not_an_orphaned_future(record: logging.LogRecord) -> bool:
     When one read or write of a checkpoint fails, its siblings' futures are left unread (the
     failure itself reaches us once, and becomes one line); asyncio logs each with a traceback
     ("... exception was never retrieved") when it is collected: a read's is tensorstore's
-    "Error opening", a write's (newer orbax) ends in orbax's own frames."""
+    "Error opening", a write's tensorstore's "Error writing" (with no Python frames: it fails in
+    C++) or (newer orbax) one ending in orbax's own frames."""
     if record.levelno < logging.ERROR or "exception was never retrieved" not in record.getMessage():
         return True
     exc, tb = (record.exc_info[1], record.exc_info[2]) if record.exc_info else (None, None)
-    if isinstance(exc, ValueError) and "Error opening" in str(exc):
+    if isinstance(exc, ValueError) and _TENSORSTORE_IO.match(str(exc)):
         return False
     frames = traceback.extract_tb(tb) if tb is not None else []
     return not any("/orbax/" in f.filename.replace(os.sep, "/") for f in frames)

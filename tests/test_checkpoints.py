@@ -230,5 +230,11 @@ def test_orphaned_read_errors_of_a_skipped_checkpoint_are_dropped_and_nothing_el
 
     orphan = ValueError('OUT_OF_RANGE: Error opening "zarr" driver: Error reading byte range')
     assert not storage.not_an_orphaned_future(record("Task exception was never retrieved\nfuture: <Task>", orphan))
+    # a write's sibling on a full disk: tensorstore's, raised in C++ (no Python frames)
+    full = ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.1.0.nu" in OCDBT database at '
+                      'local file "/x/": Failed to write 410402 bytes to file 6: No space left on device')
+    assert not storage.not_an_orphaned_future(record("Future exception was never retrieved\nfuture: <Future>", full))
     assert storage.not_an_orphaned_future(record("Task exception was never retrieved", ValueError("a bug")))
+    assert storage.not_an_orphaned_future(record("Task exception was never retrieved",
+                                                 ValueError("bad shape: Error writing it")))
     assert storage.not_an_orphaned_future(record("Unclosed client session", orphan))
