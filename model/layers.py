@@ -50,10 +50,12 @@ def matmul_rows(x, w, k: int = 1, preferred_element_type=None, w_transposed: boo
                              preferred_element_type=preferred_element_type)
     lead, inner = x.shape[:x.ndim - k], x.shape[x.ndim - k:]
     out = w.shape[:w.ndim - k] if w_transposed else w.shape[k:]
-    w2 = w.reshape((math.prod(out), math.prod(inner)) if w_transposed
-                   else (math.prod(inner), math.prod(out)))
-    y = jax.lax.dot_general(x.reshape(math.prod(lead), math.prod(inner)), w2,
-                            (((1,), (1 if w_transposed else 0,)), ((), ())),
+    # The weight is contracted as it is, never reshaped: inside the scan over layers its slice
+    # of the stack is then what the backward keeps, and JAX reads it from the stack again rather
+    # than saving a reshaped copy of every layer's weight (XLA makes the dot 2-D by bitcasts).
+    w_axes = tuple(range(w.ndim - k, w.ndim)) if w_transposed else tuple(range(k))
+    y = jax.lax.dot_general(x.reshape(math.prod(lead), *inner), w,
+                            ((tuple(range(1, k + 1)), w_axes), ((), ())),
                             preferred_element_type=preferred_element_type)
     return y.reshape(lead + out)
 
