@@ -13,8 +13,10 @@ library starts (torch.set_num_threads too, and XLA's CPU client sizes its pool f
 torch side is transformers' model class for the config our exporter writes (hf/config.py), eager,
 its default attention (SDPA). Each side: ``--warmup`` untimed steps, then ``--steps`` timed ones
 (the median is the figure), with each step's CPU seconds and page faults; then one traced step
-of ours, cut into training/profile.py's rows (scripts/profile_step.py's table). Prints a
-markdown table and writes the JSON.
+of ours, cut into training/profile.py's rows (scripts/profile_step.py's table), and the rows
+with matmuls (matmuls, the loss's head) against the same matmuls timed alone, at the same
+shapes, in the same run (``bare_matmuls``: dense models). Prints markdown tables and writes the
+JSON.
 """
 from __future__ import annotations
 
@@ -130,7 +132,91 @@ def ours(config, ids, args) -> dict:
     return {**times, "compile_s": compile_s,
             "first_loss": holder["first_loss"], "rows_s": rows, "traced_s": traced[0],
             "flops": profile.row_flops(config, 1),
+            "bare": bare_matmuls(config.model, ids.shape[1]),
             "trace": str(trace)}
+
+
+def step_matmuls(m, tokens: int) -> dict[str, list[tuple[int, int, bool, int]]]:
+    """The matmuls of one step as (in, out, transposed, count) per profile row: every layer's
+    q, k, v, o and gate, up, down weights ``[in, out]`` under "matmuls" and the output head
+    under "loss" (``transposed``: a tied table ``[vocab, d_model]``, read as the model reads it).
+    Each is three dots a step: the forward, the input's gradient and the weight's. {} for a
+    mixture of experts (its experts' grouped matmuls have no bare counterpart here)."""
+    from model.flops import head_dim
+    if m.get("moe") is not None and m.moe.num_experts:
+        return {}
+    q, kv = m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
+    layer = [(m.d_model, q), (m.d_model, kv), (m.d_model, kv), (q, m.d_model),
+             (m.d_model, m.ffn_dim), (m.d_model, m.ffn_dim), (m.ffn_dim, m.d_model)]
+    shapes: dict = {}
+    for i, o in layer:
+        shapes[(i, o)] = shapes.get((i, o), 0) + m.num_layers
+    tied = bool(m.get("tie_embeddings", False))
+    return {"matmuls": [(i, o, False, n) for (i, o), n in shapes.items()],
+            "loss": [(m.d_model, m.vocab_size, tied, 1)]}
+
+
+# Each shape's inputs, one set ("hot": a layer's x and dy still in the cache from the layer
+# before, as a matmul timed by itself has them) or four in turn ("cold": each layer its own, as
+# in the step; four of SmolLM2's MLP inputs are 68 MB, this machine's L3 32 MB).
+BARE_INPUTS = {"hot": 1, "cold": 4}
+
+
+def bare_matmuls(m, tokens: int, repeats: int = 3) -> dict[str, dict]:
+    """Per profile row, the step's matmuls alone (``step_matmuls``): for each shape, one jitted
+    scan over that many random weights stacked, as the step's scan over its layers reads them,
+    each iteration the three dots as the step's backward writes them (``x @ w``, ``dy @ w.T``,
+    ``x.T @ dy``; the weight's gradient kept as the scan's output, the other two summed into its
+    carry so that none is dropped), its inputs ``x`` and ``dy`` as ``BARE_INPUTS`` says. The
+    median of ``repeats`` after one. One program a shape, not a call a dot: a call allocates its
+    outputs afresh, and on this virtual machine faulting them in costs as much as a dot at these
+    sizes (docs/benchmarks.md). {row: {"hot"|"cold": {"s": seconds, "tflops": rate}}}: the rate
+    a row's matmuls run at with nothing else in the step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def scan(xs, ws, dys, transposed):
+        wdim = 1 if transposed else 0  # the weight's contracted (input) axis
+
+        def body(carry, w_k):
+            w, k = w_k
+            x, dy = xs[k], dys[k]
+            y = jax.lax.dot_general(x, w, (((1,), (wdim,)), ((), ())))
+            dx = jax.lax.dot_general(dy, w, (((1,), (1 - wdim,)), ((), ())))
+            dw = (jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ()))) if transposed
+                  else jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ()))))
+            return carry + y.sum() + dx.sum(), dw
+        return jax.lax.scan(body, jnp.float32(0), (ws, jnp.arange(len(ws)) % len(xs)))
+
+    def seconds(i, o, transposed, count, inputs):
+        xs = rng.standard_normal((inputs, tokens, i), np.float32)
+        ws = rng.standard_normal((count, o, i) if transposed else (count, i, o), np.float32)
+        dys = rng.standard_normal((inputs, tokens, o), np.float32)
+        f = jax.jit(scan, static_argnums=3)
+        jax.block_until_ready(f(xs, ws, dys, transposed))
+        walls = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(xs, ws, dys, transposed))
+            walls.append(time.perf_counter() - t0)
+        return statistics.median(walls)
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for row, shapes in step_matmuls(m, tokens).items():
+        flops = sum(6 * tokens * i * o * count for i, o, _, count in shapes)
+        out[row] = {}
+        for kind, inputs in BARE_INPUTS.items():
+            by_shape = {}
+            for i, o, transposed, count in shapes:
+                by_shape[f"{i}x{o}"] = (
+                    out[row]["hot"]["by_shape"][f"{i}x{o}"]  # one input either way: hot's program
+                    if min(inputs, count) == 1 and kind != "hot"
+                    else seconds(i, o, transposed, count, min(inputs, count)))
+            total = sum(by_shape.values())
+            out[row][kind] = {"s": total, "tflops": flops / total / 1e12, "by_shape": by_shape}
+    return out
 
 
 def theirs(config, ids, args) -> dict:
@@ -178,6 +264,20 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
+def bare_table(o: dict) -> str:
+    """Each row with matmuls against the same matmuls alone (``bare_matmuls``)."""
+    lines = ["| part of the step | in the step | its matmuls alone, inputs in the cache "
+             "(hot) | alone, each layer its own inputs (cold) | in the step / hot, / cold |",
+             "|---|---:|---:|---:|---:|"]
+    for row, bare in o["bare"].items():
+        rate = o["flops"][row] / o["rows_s"][row] / 1e12 if o["rows_s"][row] > 0 else 0.0
+        hot, cold = bare["hot"], bare["cold"]
+        lines.append(f"| {row} | {o['rows_s'][row]:.3g} s, {rate:.3g} TFLOP/s | {hot['s']:.3g} s, "
+                     f"{hot['tflops']:.3g} TFLOP/s | {cold['s']:.3g} s, {cold['tflops']:.3g} "
+                     f"TFLOP/s | {rate / hot['tflops']:.0%}, {rate / cold['tflops']:.0%} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args, rest = parse_args(argv)
     problem = bad_flags(args)
@@ -219,6 +319,8 @@ def main(argv=None) -> int:
         o = out["ours"]
         print(f"\nours, one traced step (training/profile.py's rows; {o['trace']}):")
         print(profile.table(o["rows_s"], o["traced_s"], o["flops"]))
+        if o["bare"]:
+            print("\n" + bare_table(o))
     if args.json:
         path = pathlib.Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
