@@ -66,8 +66,12 @@ def failed(step: int, path: pathlib.Path, exc: BaseException, newest: int | None
         f"and rerun the same command to resume")
 
 
-# tensorstore's failed read or write: an absl status code, then what it was doing.
-_TENSORSTORE_IO = re.compile(r"[A-Z_]+: Error (opening|reading|writing) ")
+# tensorstore's failed open (any status, as before), or a read or write that failed for the
+# storage's sake (full, gone, unreadable, refused): an absl status code, then what it was doing.
+# A write refused as INVALID_ARGUMENT or INTERNAL is a bug, and stays reported.
+_TENSORSTORE_IO = re.compile(
+    r"[A-Z_]+: Error opening |(RESOURCE_EXHAUSTED|OUT_OF_RANGE|NOT_FOUND|DATA_LOSS|UNAVAILABLE"
+    r"|PERMISSION_DENIED): Error (reading|writing) ")
 
 
 def _not_a_background_failure(record: logging.LogRecord) -> bool:

