@@ -26,6 +26,7 @@ summed whole over the devices by ``pool_stats``), so every mesh gives the same n
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -122,8 +123,7 @@ def grouped_matmul(x_ND, w_EDF, sizes_E, impl: str, sparse: bool = False):
 GLUS = ("gated", "clamped")  # model.moe.glu
 
 
-def silu_unit(gate, up):
-    return gate_of("silu", gate, up)
+silu_unit = functools.partial(gate_of, "silu")  # unit(gate, up): SwiGLU's
 
 
 def gated_unit(e, activation: str = "silu"):
@@ -132,7 +132,7 @@ def gated_unit(e, activation: str = "silu"):
     clamped above at ``glu_limit`` and up to ``[-glu_limit, glu_limit]``, then ``(up + 1) *
     gate * sigmoid(glu_alpha * gate)``."""
     if e.get("glu", "gated") != "clamped":
-        return lambda gate, up: gate_of(activation, gate, up)  # act(gate) recomputed backward
+        return functools.partial(gate_of, activation)  # act(gate) recomputed backward
     limit, alpha = float(e.glu_limit), float(e.glu_alpha)
 
     def clamped(gate, up):

@@ -205,13 +205,7 @@ def bare_matmuls(m, tokens: int, repeats: int = 3) -> dict[str, dict]:
             y_dx = (jax.device_put(np.zeros((tokens, o), np.float32)),
                     jax.device_put(np.zeros((tokens, i), np.float32)))
             args, f = (xs, ws, dys, y_dx, transposed), jax.jit(scan, static_argnums=4)
-        jax.block_until_ready(f(*args))
-        walls = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            walls.append(time.perf_counter() - t0)
-        return statistics.median(walls)
+        return timed(lambda: jax.block_until_ready(f(*args)), 1, repeats)["median_s"]
 
     rng = np.random.default_rng(0)
     out = {}

@@ -301,14 +301,22 @@ def test_the_mlps_weight_gradients_read_their_tokens_as_rows(rng):
     assert not transposed, transposed
 
 
+def saved_residuals(f, *args) -> list[str]:
+    """``jax.ad_checkpoint.print_saved_residuals``' lines: what f's backward keeps, one a line
+    (its type and shape first, then where it comes from)."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(f, *args)
+    return out.getvalue().splitlines()
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_the_gate_gives_autodiffs_gradients_keeping_only_its_inputs(rng, activation):
     """``act(g) * u`` with the backward that recomputes ``act(g)``: JAX's own gradients in
     float64, and only g and u kept for it (JAX's own also keeps act(g) and, for silu,
     sigmoid(g): [tokens, ffn] each, a step's largest activations)."""
-    import contextlib
-    import io
-
     from model.weights import ACTIVATIONS
     from model.weights import gate as _gate
     g, u, dh = (rng.standard_normal((24, 40)) for _ in range(3))
@@ -324,10 +332,7 @@ def test_the_gate_gives_autodiffs_gradients_keeping_only_its_inputs(rng, activat
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-13)
 
     def kept(f):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            jax.ad_checkpoint.print_saved_residuals(f, *(x.astype(np.float32) for x in (g, u)))
-        return [line for line in out.getvalue().splitlines()
+        return [line for line in saved_residuals(f, *(x.astype(np.float32) for x in (g, u)))
                 if line.startswith("f32[24,40]") and "constant" not in line]  # (not dh)
 
     assert len(kept(ours)) == 2, kept(ours)
@@ -342,8 +347,6 @@ def test_a_layer_keeps_one_copy_of_each_projections_input_and_three_ffn_activati
     [tokens, ffn] six times (also as [B, L, ffn], and act(g), sigmoid(g)): SmolLM2's 2,048-token
     step's temporaries 5.04 GiB, 3.59 after (3.49 once the weights were no longer kept
     reshaped)."""
-    import contextlib
-    import io
     c = small_config()
     c.model.update(num_layers=3)
     model = make_model(rng, config=c)
@@ -355,10 +358,7 @@ def test_a_layer_keeps_one_copy_of_each_projections_input_and_three_ffn_activati
         return (nnx.merge(graphdef, params).hidden(tok, pos, jnp.ones((1, T), jnp.int32))
                 ** 2).sum()
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(loss, params)
-    lines = out.getvalue().splitlines()
+    lines = saved_residuals(loss, params)
     kept = [line.split()[0] for line in lines]
     assert kept.count(f"f32[3,{T},{F}]") == 3 and f"f32[3,1,{T},{F}]" not in kept, kept
     # rows of D: the attention's input and the MLP's; the attention's output for wo as
