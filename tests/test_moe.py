@@ -143,11 +143,12 @@ def test_the_load_balancing_loss_is_transformers_pooled_over_layers_without_padd
     want = float(load_balancing_loss_func(tuple(torch.tensor(g) for g in logits), E, K,
                                           torch.tensor(mask)))
     with jax.enable_x64(True):
-        stats = [moe.router_stats(jnp.asarray(g), jax.nn.softmax(jnp.asarray(g), -1),
-                                  jax.lax.top_k(jnp.asarray(g), K)[1], jnp.asarray(mask.reshape(-1)),
-                                  jnp.zeros((), jnp.int32)) for g in logits]
-        total = jax.tree.map(lambda *s: sum(s), *stats)
-        got = moe.aux_losses(total, E, K)
+        @jax.jit  # one program, not each operation compiled on its own (1 CPU s less)
+        def ours(logits, mask):
+            stats = [moe.router_stats(g, jax.nn.softmax(g, -1), jax.lax.top_k(g, K)[1], mask,
+                                      jnp.zeros((), jnp.int32)) for g in logits]
+            return moe.aux_losses(jax.tree.map(lambda *s: sum(s), *stats), E, K)
+        got = ours(jnp.asarray(logits), jnp.asarray(mask.reshape(-1)))
         # (transformers casts its pick counts to float32: its fractions carry fp32 rounding)
         assert abs(float(got["aux_loss"]) - want) < 1e-6 * want
         lse = np.log(np.exp(logits).sum(-1))
@@ -323,18 +324,28 @@ def step_of(c, params, natural, devices, leaves=False):
     return (*out, grads) if leaves else out
 
 
+def random_params(c, seed):
+    """Every weight of ``c``'s model random (matrices N(0, 0.2), vectors N(0, 0.5): each
+    matters), from its shapes alone: no init program compiled (1-2 CPU s)."""
+    from parallel.mesh import make_mesh
+    from training.state import Trainer
+    shapes = jax.eval_shape(Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))._init, 0).params
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: rng.normal(0, 0.2 if p.ndim > 1 else 0.5, p.shape)
+                        .astype(np.float32), shapes)
+
+
 @pytest.fixture(scope="module")
 def one_device():
+    """moe_config's model on one device, every weight random, and the batch: (the config, the
+    params, the batch, the model's forward jitted: token losses and router statistics, one
+    compile per batch shape for every test here, whatever model.moe.balance, which only the
+    step's loss reads)."""
     from parallel.mesh import make_mesh
     from training.state import Trainer
     c = moe_config()
-    trainer = Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))
-    # trainer.init's program compiled as the tests compile the rest (tests/conftest.py: LLVM
-    # level 0; training/state.py's level 1 keeps each weight's last bit as XLA's default gives
-    # it, which nothing here compares): 1-2 CPU s less
-    params = jax.device_get(jax.jit(trainer._init)(0).params)
-    natural = batch_of(np.random.default_rng(7))
-    return c, params, natural, step_of(c, params, natural, jax.devices()[:1])
+    forward = jax.jit(Trainer(c, make_mesh(c.mesh, jax.devices()[:1])).forward)
+    return c, random_params(c, 12), batch_of(np.random.default_rng(7)), forward
 
 
 def gpt_oss_config(mesh=None, impl="dense", layout="contiguous", dispatch="gather"):
@@ -354,14 +365,9 @@ def gpt_oss_config(mesh=None, impl="dense", layout="contiguous", dispatch="gathe
 def gpt_oss_one_device(one_device):
     """gpt-oss's step on one device, every weight random (the sinks' and biases' larger, so
     that each matters): (params, the batch, the step with its gradients)."""
-    from parallel.mesh import make_mesh
-    from training.state import Trainer
     _, _, natural, _ = one_device
     c = gpt_oss_config()
-    shapes = jax.eval_shape(Trainer(c, make_mesh(c.mesh, jax.devices()[:1]))._init, 0).params
-    rng = np.random.default_rng(11)
-    params = jax.tree.map(lambda p: rng.normal(0, 0.2 if p.ndim > 1 else 0.5, p.shape)
-                          .astype(np.float32), shapes)
+    params = random_params(c, 11)
     return params, natural, step_of(c, params, natural, jax.devices()[:1], leaves=True)
 
 
@@ -404,16 +410,16 @@ def test_the_same_step_with_the_experts_split_over_the_ring_or_fsdp(gpt_oss_one_
 def test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens(one_device):
     """docs/moe.md's rule: with microbatches, the aux loss is the mean of each microbatch's own
     (its statistics alone), weighted by its share of the step's real tokens; the language
-    model's loss is the whole step's either way."""
-    from model.decoder import Decoder  # noqa: F401 (the model the trainer builds)
-    c, params, natural, (want_loss, want_metrics, _, one) = one_device  # one: c's Trainer
-    cm = moe_config(microbatches=2)
-    loss, metrics, _, trainer = step_of(cm, params, natural, jax.devices()[:1])
-    lm = want_loss - c.model.moe.aux_loss * want_metrics["aux_loss"] - \
-        c.model.moe.z_loss * want_metrics["z_loss"]
+    model's loss is the whole step's either way (the mean over the whole batch's trained tokens
+    of the forward's token losses)."""
+    c, params, natural, forward = one_device
+    loss, metrics, _, _ = step_of(moe_config(microbatches=2), params, natural,
+                                  jax.devices()[:1])
+    token_losses, stats = jax.device_get(forward(params, natural))  # the whole batch
+    lm = float(token_losses.sum() / natural["loss_mask"].sum())
+    whole_aux = float(moe.aux_losses(stats, 8, 2)["aux_loss"])
     expected_aux = expected_z = 0.0
     real = (natural["segment_ids"] > 0).sum()
-    forward = jax.jit(one.forward)
     for i in range(2):  # row j * 2 + i goes to microbatch i (training/state.py)
         micro = {k: v[i::2] for k, v in natural.items()}
         _, stats = forward(params, micro)
@@ -422,7 +428,7 @@ def test_two_microbatches_weight_each_ones_aux_loss_by_its_real_tokens(one_devic
         expected_aux += share * float(got["aux_loss"])
         expected_z += share * float(got["z_loss"])
     assert abs(metrics["aux_loss"] - expected_aux) < 1e-5 * expected_aux
-    assert abs(metrics["aux_loss"] - want_metrics["aux_loss"]) > 1e-4  # not the whole step's
+    assert abs(metrics["aux_loss"] - whole_aux) > 1e-4  # not the whole batch's
     want = lm + c.model.moe.aux_loss * expected_aux + c.model.moe.z_loss * expected_z
     assert abs(loss - want) < 2e-5 * want
 
@@ -465,9 +471,11 @@ def test_the_per_sequence_balance_loss_is_the_float64_reference_on_any_split_of_
                                 jnp.zeros((), jnp.int32))
 
     with jax.enable_x64(True):
-        total = jax.tree.map(lambda *s: sum(s), *[stats_of(jnp.asarray(g), jnp.asarray(mask))
-                                                  for g in logits])
-        got = moe.aux_losses(total, E, K)
+        @jax.jit  # one program, not each operation compiled on its own
+        def ours(logits, mask):
+            total = jax.tree.map(lambda *s: sum(s), *[stats_of(g, mask) for g in logits])
+            return total, moe.aux_losses(total, E, K)
+        total, got = ours(jnp.asarray(logits), jnp.asarray(mask))
         assert float(total["seq_rows"]) == 3 * layers
         # (the pick counts are float32, as in the step: the fractions carry fp32 rounding)
         assert abs(float(got["seq_aux_loss"]) - want) < 1e-6 * want
@@ -486,8 +494,8 @@ def test_the_per_sequence_balance_loss_is_the_float64_reference_on_any_split_of_
         for key in ("row_picks", "row_probs", "row_tokens", "seq_loss", "seq_rows", "picks"):
             np.testing.assert_allclose(np.asarray(pooled[key]), np.asarray(one[key]),
                                        rtol=1e-5, atol=1e-5, err_msg=key)
-    total = jax.tree.map(lambda *s: sum(s), *on_mesh)
-    assert abs(float(moe.aux_losses(total, E, K)["seq_aux_loss"]) - want) < 1e-5 * want
+    pooled = jax.jit(lambda stats: moe.aux_losses(jax.tree.map(lambda *s: sum(s), *stats), E, K))
+    assert abs(float(pooled(on_mesh)["seq_aux_loss"]) - want) < 1e-5 * want
 
 
 def sequence_config(mesh=None, impl="dense", layout="contiguous", microbatches=1):
@@ -499,15 +507,16 @@ def sequence_config(mesh=None, impl="dense", layout="contiguous", microbatches=1
 @pytest.fixture(scope="module")
 def sequence_one_device(one_device):
     """The step with model.moe.balance=sequence on one device, on the batch with its second
-    row all padding; the language model's loss and the router statistics of the batch."""
-    _, params, natural, _ = one_device
+    row all padding; the language model's token losses and the router statistics of the batch
+    (the model's forward, which model.moe.balance leaves alone: one_device's, compiled for this
+    batch's shape by the microbatch test too)."""
+    _, params, natural, forward = one_device
     natural = {k: v.copy() for k, v in natural.items()}
     natural["segment_ids"][1] = 0
     natural["loss_mask"][1] = 0
     c = sequence_config()
     step = step_of(c, params, natural, jax.devices()[:1])
-    one = step[3]  # the step's Trainer, on one device
-    token_losses, stats = jax.device_get(jax.jit(one.forward)(params, natural))
+    token_losses, stats = jax.device_get(forward(params, natural))
     return c, params, natural, step, token_losses, stats
 
 
