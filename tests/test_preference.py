@@ -183,21 +183,28 @@ def test_side_log_probs_are_transformers_and_the_first_step_is_ln2(chat_run, pai
     """Each side of the first batch's pairs through transformers (float64): the sum of its
     response tokens' log-probabilities (return_assistant_tokens_mask over prompt + response)
     is ours within 1e-4; at step 0 the policy is the reference: the loss is ln 2, the rewards
-    and margin 0, and the step says how many pairs it saw."""
+    and margin 0, and the step says how many pairs it saw.
+
+    Ours: the batch's ``ref_logps`` (each side's sum at its first token), which the reference
+    pass computed with the objective's ``sides_logps`` of ``token_losses`` on these weights,
+    the very function of the policy's sides in the step (``reference_params`` is the weights
+    themselves without adapters): one program for both, not a second compile of it."""
     import torch  # the reference, from requirements-test.txt (the newest JAX's set lacks it)
     _, theirs, hf_tok, _, _ = chat_run
     records = pairs_file[1]
     c = config(chat_run, pairs_file, tmp_path)
     pipe, trainer, params = prepared(c, tmp_path)
+    assert trainer.reference_params(params) is params
     batch = pipe.device_batch(0)
-    chosen, rejected = jax.device_get(jax.jit(lambda p, b: trainer.objective.sides_logps(
-        trainer.token_losses(p, b), b))(params, batch))
+    host = jax.device_get(batch)
     rows = pipe.conversations(0, c.data.batch_size)
     n = 0
     for r, row in enumerate(rows):
         for k, i in enumerate(row):
             prompt, ch, rj = chat.pair_of(records[i])
-            for side, got in ((ch, chosen[r, k]), (rj, rejected[r, k])):
+            chosen, rejected = (float(host["ref_logps"][r, np.argmax(host["segment_ids"][r] == s)])
+                                for s in (2 * k + 1, 2 * k + 2))
+            for side, got in ((ch, chosen), (rj, rejected)):
                 out = hf_tok.apply_chat_template(prompt + side, tokenize=True, return_dict=True,
                                                  return_assistant_tokens_mask=True)
                 ids, mask = np.array(out["input_ids"]), np.array(out["assistant_masks"])
@@ -451,18 +458,21 @@ def test_a_dpo_run_learns_the_pairs_resumes_exactly_and_exports(chat_run, pairs_
     assert f"reference log-probabilities of {train} train and {kept} held-out pairs computed" in out
     metrics, evals = tr.metrics(whole), tr.evals(whole)
     assert abs(metrics[1]["loss"] - math.log(2)) < 1e-5 and metrics[1]["pairs"] > 4
-    assert metrics[4]["loss"] < metrics[1]["loss"]
+    assert metrics[3]["loss"] < metrics[1]["loss"]
     assert abs(evals[0]["eval_loss"] - math.log(2)) < 1e-5 and evals[0]["eval_reward_margin"] == \
         pytest.approx(0, abs=1e-5)
-    assert evals[4]["eval_reward_margin"] > 0 and evals[4]["eval_loss"] < math.log(2)
-    # resumed after step 2's checkpoint: the stored reference, the same losses to the last bit
+    assert evals[3]["eval_reward_margin"] > 0 and evals[3]["eval_loss"] < math.log(2)
+    # resumed after step 2's checkpoint: the stored reference, the same step 3 to the last bit
     half = tmp_path / "half"
     shutil.copytree(whole, half)
-    shutil.rmtree(half / "checkpoints" / "4")
+    shutil.rmtree(half / "checkpoints" / "3")
     resumed = dpo_run(chat_run, pairs_file, half)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"reference log-probabilities: {half / 'reference_logps.npz'}" in resumed.stdout
-    assert [tr.metrics(half)[s]["loss"] for s in (3, 4)] == [metrics[s]["loss"] for s in (3, 4)]
+    # step 3 from step 2's state, and the weights it leaves (the held-out loss after it)
+    assert [tr.metrics(half)[3][k] for k in ("loss", "grad_norm")] == \
+        [metrics[3][k] for k in ("loss", "grad_norm")]
+    assert tr.evals(half)[3]["eval_loss"] == evals[3]["eval_loss"]
     assert convert_hf.main(["export", "--run", str(whole), "--out", str(tmp_path / "out"),
                             "--dtype", "float32"]) == 0
     from transformers import AutoModelForCausalLM

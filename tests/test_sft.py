@@ -400,14 +400,17 @@ def test_an_hf_dataset_on_disk_reads_as_the_jsonl_does(chat_run, tmp_path):
 
 # -- a whole run: train, resume, generate, export ---------------------------------------------
 def entry_run(config_file, chat_run, data, workdir, *flags):
-    """train.py's entry after ``--config CONFIG_FILE:RUN --config.a.b=v ...`` (4 steps of 4 rows,
-    a checkpoint and an evaluation every 2), in process."""
+    """train.py's entry after ``--config CONFIG_FILE:RUN --config.a.b=v ...`` (3 steps of 4 rows,
+    a checkpoint and an evaluation every 2 and at the end), in process. A run resumed after
+    step 2's checkpoint trains step 3 alone: it starts from the checkpoint, evaluates only at
+    its end (the whole run also at step 2, so an evaluation between steps must not move the
+    training), and its data crosses into the second epoch there as the whole run's does."""
     import trained_run as tr
     from configs.loading import load
     config = load(f"{config_file}:{chat_run[0]}", [
         f"data.path={data}", f"data.seq_len={SEQ}", "data.batch_size=4",
         f"data.cache_dir={workdir.parent / 'cache'}", "model.dtype=float32",
-        "attention.block_q=16", "attention.block_kv=16", "train.steps=4", "train.warmup_steps=0",
+        "attention.block_q=16", "attention.block_kv=16", "train.steps=3", "train.warmup_steps=0",
         "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2",
         *flags])
     return tr.entry_of(config, workdir)
@@ -431,7 +434,7 @@ def test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports(chat
     assert "(turn by turn" not in out  # the marked template's own marks
     assert "attention ring/striped" in out and "'sequence': 8" in out  # configs/sft.py's mesh
     metrics = tr.metrics(whole)
-    assert sorted(metrics) == [1, 2, 3, 4] and all(m["trained_tokens"] > 0 for m in metrics.values())
+    assert sorted(metrics) == [1, 2, 3] and all(m["trained_tokens"] > 0 for m in metrics.values())
     # its first step (MESHES[0]: striped over a ring of 8; the chunked loss, full remat) is one
     # device's on the same first batch: loss, trained tokens, gradient norm
     want_loss, want_count, want_norm, _ = one_device
@@ -439,16 +442,19 @@ def test_a_chat_run_trains_the_assistant_tokens_resumes_exactly_and_exports(chat
     assert abs(metrics[1]["loss"] - want_loss) < 1e-5 * want_loss
     assert abs(metrics[1]["grad_norm"] - want_norm) < 1e-5 * want_norm
     evals = tr.evals(whole)
-    assert evals[4]["eval_loss"] < evals[0]["eval_loss"]  # the held-out assistant tokens
+    assert evals[3]["eval_loss"] < evals[0]["eval_loss"]  # the held-out assistant tokens
     assert (whole / "chat_template.jinja").read_text() == ct.MARKED
-    # as if stopped after step 2's checkpoint, then resumed: the same losses to the last bit
+    # as if stopped after step 2's checkpoint, then resumed: the same step 3 to the last bit
     import shutil
     half = tmp_path / "half"
     shutil.copytree(whole, half)
-    shutil.rmtree(half / "checkpoints" / "4")
+    shutil.rmtree(half / "checkpoints" / "3")
     resumed = sft_run(chat_run, half)
     assert resumed.returncode == 0 and "resuming from step 2" in resumed.stdout
-    assert [tr.metrics(half)[s]["loss"] for s in (3, 4)] == [metrics[s]["loss"] for s in (3, 4)]
+    # step 3 from step 2's state, and the weights it leaves (the held-out loss after it)
+    assert [tr.metrics(half)[3][k] for k in ("loss", "grad_norm")] == \
+        [metrics[3][k] for k in ("loss", "grad_norm")]
+    assert tr.evals(half)[3]["eval_loss"] == evals[3]["eval_loss"]
     # the export carries the run's template: transformers renders a chat as we do
     assert convert_hf.main(["export", "--run", str(whole), "--out", str(tmp_path / "hf_out"),
                             "--dtype", "float32"]) == 0
@@ -465,7 +471,7 @@ def test_a_lora_run_starts_at_the_base_trains_its_adapters_alone_and_resumes_exa
     full) from the imported base: new adapters with B zero, so the first step's loss and
     trained tokens are the full fine-tune's (one device's, as above); the held-out loss falls;
     the checkpoint's frozen weights are the import's to the bit; a resume after step 2 gives the
-    same losses to the bit."""
+    same step 3 to the bit."""
     import shutil
 
     import trained_run as tr
@@ -483,7 +489,7 @@ def test_a_lora_run_starts_at_the_base_trains_its_adapters_alone_and_resumes_exa
     assert metrics[1]["trained_tokens"] == want_count
     assert abs(metrics[1]["loss"] - want_loss) < 1e-5 * want_loss
     evals = tr.evals(whole)
-    assert evals[4]["eval_loss"] < evals[0]["eval_loss"] - 0.01
+    assert evals[3]["eval_loss"] < evals[0]["eval_loss"] - 0.01
     run = open_run(whole)
     params = jax.device_get(run.restore_params(single_device_params(run.config)).params)
     base = jax.device_get(open_run(chat_run[0]).restore_params(
@@ -496,10 +502,13 @@ def test_a_lora_run_starts_at_the_base_trains_its_adapters_alone_and_resumes_exa
     assert np.abs(trained["blocks"]["attn"]["lora_q"]["b"]).max() > 0
     half = tmp_path / "half"
     shutil.copytree(whole, half)
-    shutil.rmtree(half / "checkpoints" / "4")
+    shutil.rmtree(half / "checkpoints" / "3")
     resumed = sft_run(chat_run, half, *flags)
     assert resumed.returncode == 0 and "resuming from step 2" in resumed.stdout
-    assert [tr.metrics(half)[s]["loss"] for s in (3, 4)] == [metrics[s]["loss"] for s in (3, 4)]
+    # step 3 from step 2's state, and the weights it leaves (the held-out loss after it)
+    assert [tr.metrics(half)[3][k] for k in ("loss", "grad_norm")] == \
+        [metrics[3][k] for k in ("loss", "grad_norm")]
+    assert tr.evals(half)[3]["eval_loss"] == evals[3]["eval_loss"]
 
 
 def test_generate_chat_gives_transformers_greedy_reply(chat_run, capsys):
