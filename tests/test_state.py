@@ -175,8 +175,9 @@ def bf16_and_fp32_losses(fp32, bf16, batches, seed):
     """Per step: the fp32 run's loss, the bf16 step's at the fp32 run's parameters, and the bf16
     run's, both runs from the same (fp32) initial parameters, drawn from ``seed`` as the
     initialiser draws them (helpers.initial_params: its program takes seconds to compile)."""
-    import jax.numpy as jnp
-    copy = lambda state: jax.tree.map(jnp.copy, state)  # the steps donate their state
+    # the steps donate their state: a copy on the same devices (device_put copies without a
+    # program; jnp.copy compiled one per shape)
+    copy = lambda state: jax.device_put(state, may_alias=False)
     state32 = initial_state(fp32, initial_params(np.random.default_rng(seed), fp32.config,
                                                  fp32.abstract_state.params))
     state16 = copy(state32)
