@@ -8,6 +8,8 @@ heads a device holds: all of them (ring, all-gather), a Ulysses member's share, 
 shard's; and the early-stopped ring of a sliding window. Each case is one row of the table
 below; the layouts of a case share its compiled programs (positions are data).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,22 +50,36 @@ CASES = {
 
 def run(q, k, v, sinks, dout, *, mesh, layout, seg, dtype, **kw):
     """The attention and its gradients w.r.t. q, k, v and the sinks, inputs and results in
-    natural order."""
+    natural order, as one jitted program (not op by op: a few dozen small programs fewer).
+    Without a window the layout's positions go in as data, exactly what the attention derives
+    from the layout when given none (the same program: the ring runs every round either way),
+    so that the layouts of a case share one compilation; with a window the attention derives
+    them itself, as the contiguous ring's early stop needs."""
     n = mesh.shape["sequence"]
     perm = permutation(layout, q.shape[1], n)
     qspec = NamedSharding(mesh, P(("fsdp",), "sequence", "tensor", None))
-    put = lambda x, dtype: jax.device_put(jnp.asarray(x[:, perm], dtype), qspec)
-    seg_l = None if seg is None else jnp.asarray(seg[:, perm])
-
-    def f(q, k, v, sinks):
-        return context_parallel_attention(q, k, v, mesh=mesh, layout=layout, segment_ids=seg_l,
-                                          sinks=sinks, **kw)
-
-    out, vjp = jax.vjp(f, *(put(x, dtype) for x in (q, k, v)), jnp.asarray(sinks))
-    grads = vjp(put(dout, dtype))
+    put = lambda x: jax.device_put(np.asarray(x[:, perm]).astype(dtype), qspec)
+    seg_l = None if seg is None else seg[:, perm]
+    pos = None if kw["window"] else np.broadcast_to(perm.astype(np.int32), q.shape[:2])
+    got = program(mesh, tuple(sorted(kw.items())))(
+        *(put(x) for x in (q, k, v)), np.asarray(sinks, np.float32), put(dout), seg_l, pos,
+        layout=layout)
     inv = inverse(perm)
-    return ([np.asarray(x.astype(jnp.float32))[:, inv] for x in (out, *grads[:3])]
-            + [np.asarray(grads[3])])
+    return [np.asarray(x)[:, inv] for x in got[:4]] + [np.asarray(got[4])]
+
+
+@functools.cache
+def program(mesh, kw):
+    """(q, k, v, sinks, dout, segment ids, positions or None, layout=) -> the output and the
+    gradients of q, k, v (fp32) and the sinks, jitted once per mesh and options."""
+    @functools.partial(jax.jit, static_argnames="layout")
+    def attention_and_grads(q, k, v, sinks, dout, seg, pos, *, layout):
+        f = lambda q, k, v, sinks: context_parallel_attention(
+            q, k, v, mesh=mesh, layout=layout, positions=pos, segment_ids=seg, sinks=sinks,
+            **dict(kw))
+        out, vjp = jax.vjp(f, q, k, v, sinks)
+        return [x.astype(jnp.float32) for x in (out, *vjp(dout))]
+    return attention_and_grads
 
 
 @pytest.mark.parametrize("case", CASES)
