@@ -191,6 +191,19 @@ def test_sampling_follows_the_seed_as_without_a_cache(rng):
     assert want != reference(c, params, prompt, 8)  # not greedy
 
 
+def test_recomputing_on_a_device_it_was_restored_to_compiles_its_step_once(rng):
+    """Parameters committed to one device (as a checkpoint restores them for generate.py
+    --no-cache): the buffer and counter start there too, so every token runs one compiled
+    step (before, the first call's uncommitted buffer compiled it a second time)."""
+    c = config()
+    graphdef, _ = single_device_model(c)
+    params = jax.device_put(random_params(c, int(rng.integers(1000))), jax.devices()[1])
+    prompt = [int(t) for t in rng.integers(1, VOCAB, 5)]
+    got = recompute.generate(graphdef, params, prompt, 4, seq_len=72, usable_vocab=VOCAB, eos=-1)
+    step = recompute.make_step(graphdef, recompute.window_size(5, 4, 72), VOCAB, Sampling())
+    assert len(got) == 4 and step._cache_size() == 1
+
+
 def test_a_sharded_batch_and_the_tensor_axis(rng):
     """data x fsdp x sequence x tensor = 1 x 2 x 2 x 2: rows split over fsdp, heads over
     tensor, the cache over sequence."""
