@@ -198,9 +198,11 @@ def test_recomputing_on_a_device_it_was_restored_to_compiles_its_step_once(rng):
     c = config()
     graphdef, _ = single_device_model(c)
     params = jax.device_put(random_params(c, int(rng.integers(1000))), jax.devices()[1])
-    prompt = [int(t) for t in rng.integers(1, VOCAB, 5)]
+    prompt = [int(t) for t in rng.integers(1, VOCAB, 62)]
     got = recompute.generate(graphdef, params, prompt, 4, seq_len=72, usable_vocab=VOCAB, eos=-1)
-    step = recompute.make_step(graphdef, recompute.window_size(5, 4, 72), VOCAB, Sampling())
+    window = recompute.window_size(62, 4, 72)
+    assert window == 72  # a window of its own: no other test's step in make_step's cache
+    step = recompute.make_step(graphdef, window, VOCAB, Sampling())
     assert len(got) == 4 and step._cache_size() == 1
 
 
