@@ -61,10 +61,11 @@ def generate(graphdef, params, ids: list[int], max_new_tokens: int, *, seq_len: 
     step = make_step(graphdef, window, usable_vocab, sampling)
     buf, n, key = jnp.asarray(buf), jnp.int32(len(ids)), jax.random.key(seed)
     # The step returns the buffer and counter on the parameters' device, committed: start them
-    # there too, or its first call compiles it for uncommitted inputs and the second again.
+    # (and the key) there too, or its first call compiles it for uncommitted inputs and the
+    # second again.
     first = jax.tree.leaves(params)[0]
     if getattr(first, "committed", False) and len(first.sharding.device_set) == 1:
-        buf, n = jax.device_put((buf, n), first.sharding)
+        buf, n, key = jax.device_put((buf, n, key), next(iter(first.sharding.device_set)))
     out = []
     for _ in range(max_new_tokens):
         key, sub = jax.random.split(key)

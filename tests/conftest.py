@@ -61,8 +61,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # torch, the transformers references, on one thread: its ops here are tiny, and on two threads
 # OpenMP's waiting threads spin for several times the CPU of the work itself (three workers on
 # two cores; 48 greedy tokens of a 4-layer model: 1.9 CPU s on two threads, 0.2 on one). Set
-# before any test module imports torch; the processes tests start inherit it, and none of them
-# times torch (scripts/bench_step.py sets torch's threads itself).
+# before any test module imports torch; numpy's OpenBLAS reads it too (the float64 references:
+# the same values on one thread). The processes tests start inherit it, and none of them
+# times torch (scripts/bench_step.py sets torch's threads itself; its test puts them back).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One JAX compilation cache for the whole run, fresh each time: the pytest workers and every
 # process they start inherit it, so a program compiled by one of them (the tiny model's train

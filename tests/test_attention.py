@@ -152,10 +152,10 @@ def test_explicit_mesh_under_scan_and_grad(rng):
     assert rel_err(gw, ww) < 1e-5
 
 
-def test_the_ring_is_traced_once_per_layer_under_scan_and_grad(monkeypatch):
+def test_the_ring_is_traced_once_under_scan_and_grad(monkeypatch):
     """The custom VJP's primal and its forward rule run one ring program: autodiff's replay of
     the layer scan (linearize) hits the first trace's cache instead of tracing the ring again,
-    7% of the tiny train step's trace and lowering. Shapes no other test traces, so no earlier
+    6% of the tiny train step's trace and lowering. Shapes no other test traces, so no earlier
     cache entry counts."""
     from parallel.strategies import engine
     traced = []

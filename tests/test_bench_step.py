@@ -13,9 +13,14 @@ def test_both_sides_take_the_same_model_and_tokens_and_the_profile_adds_up(tmp_p
     """The tiny model at 64 tokens: both sides' first-step losses are a random model's, ln(vocab)
     (so both read the same vocabulary and predict the same 63 tokens); the table's ratio is the
     JSON's medians; our traced step's rows add up to the wall clock measured around it."""
+    import torch
     out = tmp_path / "bench.json"
-    assert bench_step.main(["--seq-len", "64", "--steps", "2", "--warmup", "0",
-                            "--json", str(out), "--trace-dir", str(tmp_path / "trace")]) == 0
+    threads = torch.get_num_threads()  # bench_step sets torch's for the process: put back after
+    try:
+        assert bench_step.main(["--seq-len", "64", "--steps", "2", "--warmup", "0",
+                                "--json", str(out), "--trace-dir", str(tmp_path / "trace")]) == 0
+    finally:
+        torch.set_num_threads(threads)
     got = json.loads(out.read_text())
     ours, torch = got["ours"], got["torch"]
     vocab = 2048  # configs/tiny.py

@@ -315,8 +315,8 @@ def test_chunked_loss_and_microbatches_lower_the_compiled_memory():
     step's largest tensors (at the tiny config's 2,048 the attention's and the MLP's backward
     set the peak as much: chunking saves half a logits tensor there). The microbatches against
     the same whole-slice step (compiled once for both checks): 4 of them hold a quarter of its
-    activations and of its logits, under half its temporaries (0.34); either quartered alone
-    would leave more than half (the logits' share of the whole, what chunking takes off, is
+    activations and of its logits, under 0.45 of its temporaries (0.34); either quartered
+    alone would leave more than half (the logits' share of the whole, what chunking takes off, is
     51 MB of 89; the other 38)."""
     mesh = {"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1}
 
@@ -329,7 +329,7 @@ def test_chunked_loss_and_microbatches_lower_the_compiled_memory():
     # 4 rows x 256 tokens x 8,192 vocab of fp32 logits per device (the whole slice: 2,048)
     whole, chunked = temporaries(2048, 1, 8192), temporaries(32, 1, 8192)
     assert whole - chunked > 4 * 256 * 8192 * 4
-    assert temporaries(2048, 4, 8192) < 0.5 * whole
+    assert temporaries(2048, 4, 8192) < 0.45 * whole
 
 
 def test_recomputed_matmuls_follow_what_the_trainer_recomputes():

@@ -52,9 +52,11 @@ def run(q, k, v, sinks, dout, *, mesh, layout, seg, dtype, **kw):
     """The attention and its gradients w.r.t. q, k, v and the sinks, inputs and results in
     natural order, as one jitted program (not op by op: a few dozen small programs fewer).
     Without a window the layout's positions go in as data, exactly what the attention derives
-    from the layout when given none (the same program: the ring runs every round either way),
-    so that the layouts of a case share one compilation; with a window the attention derives
-    them itself, as the contiguous ring's early stop needs."""
+    from the layout when given none (the ring runs every round either way), so that the
+    layouts of a case lower to one program, compiled once and then read from the run's
+    compilation cache (layout is still a static argument: each is traced); with a window the
+    attention derives them itself, as the contiguous ring's early stop needs. The derived
+    positions of a window-free ring: tests/test_attention.py."""
     n = mesh.shape["sequence"]
     perm = permutation(layout, q.shape[1], n)
     qspec = NamedSharding(mesh, P(("fsdp",), "sequence", "tensor", None))

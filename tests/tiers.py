@@ -194,7 +194,7 @@ NEXT = {
         "the ring, every layout, forward and backward",
     "test_attention.py::test_ring_traffic": "ppermute counts in the compiled program",
     "test_attention.py::test_explicit_mesh_under_scan_and_grad": "jax.set_mesh, scan, grad",
-    "test_attention.py::test_the_ring_is_traced_once_per_layer_under_scan_and_grad":
+    "test_attention.py::test_the_ring_is_traced_once_under_scan_and_grad":
         "JAX's trace cache under linearize's replay (its abstract-mesh context)",
     "test_usp.py::test_usp_matches_reference[u4-ring2-gqa2-packed]": "all_to_all inside a ring",
     "test_usp.py::test_ulysses_matches_reference[n4-mha-causal]": "all_to_all",
