@@ -152,6 +152,19 @@ def test_explicit_mesh_under_scan_and_grad(rng):
     assert rel_err(gw, ww) < 1e-5
 
 
+def ring_layer_stack(mesh, hq, length, layout, block, remat=False):
+    """A scan over layers whose attention is the ring: loss(x [1, L, hq*D], w [layers, hq*D,
+    3*hq*D]), each layer's q, k, v from one projection, residual added."""
+    def model(x, w):
+        def layer(h, w_l):
+            qkv = (h @ w_l).reshape(1, length, 3 * hq, D)
+            o = context_parallel_attention(qkv[:, :, :hq], qkv[:, :, hq:2 * hq], qkv[:, :, 2 * hq:],
+                                           mesh=mesh, layout=layout, block_q=block, block_kv=block)
+            return h + o.reshape(1, length, hq * D), None
+        return jnp.sum(jax.lax.scan(jax.checkpoint(layer) if remat else layer, x, w)[0])
+    return model
+
+
 def test_the_ring_is_traced_once_under_scan_and_grad(monkeypatch):
     """The custom VJP's primal and its forward rule run one ring program: autodiff's replay of
     the layer scan (linearize) hits the first trace's cache instead of tracing the ring again,
@@ -161,16 +174,8 @@ def test_the_ring_is_traced_once_under_scan_and_grad(monkeypatch):
     traced = []
     ring_forward = engine.ring_forward
     monkeypatch.setattr(engine, "ring_forward", lambda *a: traced.append(1) or ring_forward(*a))
-    mesh, hq, length, layers = ring_mesh(4), 3, 40, 2
-
-    def model(x, w):
-        def layer(h, w_l):
-            qkv = (h @ w_l).reshape(1, length, 3 * hq, D)
-            o = context_parallel_attention(qkv[:, :, :hq], qkv[:, :, hq:2 * hq], qkv[:, :, 2 * hq:],
-                                           mesh=mesh, layout="zigzag", block_q=5, block_kv=5)
-            return h + o.reshape(1, length, hq * D), None
-        return jnp.sum(jax.lax.scan(layer, x, w)[0])
-
+    hq, length, layers = 3, 40, 2
+    model = ring_layer_stack(ring_mesh(4), hq, length, "zigzag", 5)
     x = jax.ShapeDtypeStruct((1, length, hq * D), jnp.float32)
     w = jax.ShapeDtypeStruct((layers, hq * D, 3 * hq * D), jnp.float32)
     jax.make_jaxpr(jax.grad(model, (0, 1)))(x, w)
@@ -184,14 +189,7 @@ def test_no_quadratic_residuals_under_remat_scan_grad():
     hq, layers = 2, 2
 
     def temporaries(length):
-        def model(x, w):
-            def layer(h, w_l):
-                qkv = (h @ w_l).reshape(1, length, 3 * hq, D)
-                o = context_parallel_attention(qkv[:, :, :hq], qkv[:, :, hq:2 * hq], qkv[:, :, 2 * hq:],
-                                               mesh=mesh, layout="striped", block_q=8, block_kv=8)
-                return h + o.reshape(1, length, hq * D), None
-            return jnp.sum(jax.lax.scan(jax.checkpoint(layer), x, w)[0])
-
+        model = ring_layer_stack(mesh, hq, length, "striped", 8, remat=True)
         x = jax.ShapeDtypeStruct((1, length, hq * D), jnp.float32,
                                  sharding=NamedSharding(mesh, P(None, "sequence")))
         w = jax.ShapeDtypeStruct((layers, hq * D, 3 * hq * D), jnp.float32)
