@@ -156,7 +156,8 @@ def _forward(q, k, v, positions, segment_ids, sinks, call: Call):
     q, k, v, positions, segment_ids = lax.optimization_barrier((q, k, v, positions, segment_ids))
     has_seg, has_sink = segment_ids is not None, sinks is not None
     args = (q, k, v, positions, segment_ids) + ((sinks,) if has_sink else ())
-    with jax.named_scope("attention_fwd"), _one_mesh_context():  # the former: profile.py's row
+    # the scope's name is training/profile.py's row
+    with jax.named_scope("attention_fwd"), _one_mesh_context():
         return engine.forward_program(call, has_seg, has_sink)(
             *(_reshard(x, s, call) for x, s in zip(args, call.fwd_specs(has_seg, has_sink))))
 

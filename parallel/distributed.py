@@ -21,6 +21,13 @@ from parallel.host_devices import FLAG, patient_collectives
 ONE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
+def cpu_process_flags(user_flags: str, devices: int) -> str:
+    """XLA_FLAGS of one process of a local CPU run: the user's, one XLA thread, ``devices``
+    simulated devices, and collectives that wait for slow peers."""
+    return patient_collectives(" ".join(filter(None, [user_flags, ONE_THREAD_FLAGS,
+                                                      f"{FLAG}={devices}"])))
+
+
 def initialize(place, heartbeat_timeout_s: int = 100, init_timeout_s: int = 300) -> str:
     """Joins the run ``place`` (parallel.cluster.resolve) describes; a no-op for one process.
     A process that sends no heartbeat for ``heartbeat_timeout_s`` is declared dead and every
@@ -141,8 +148,8 @@ def spawn_local(argv: list[str], processes: int, devices_per_process: int = 1,
         if cores and len(cores) < processes:
             print(f"warning: {processes} processes on {len(cores)} cores: they will share cores",
                   file=sys.stderr)
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=patient_collectives(" ".join(filter(None, [
-            os.environ.get("XLA_FLAGS", ""), ONE_THREAD_FLAGS, f"{FLAG}={devices_per_process}"]))))
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_process_flags(os.environ.get("XLA_FLAGS", ""),
+                                                                  devices_per_process))
     procs, relays = [], []
     for i in range(processes):
         cmd, own = [sys.executable, *argv], dict(env)

@@ -75,8 +75,7 @@ ONE_LAYER = "--config.model.num_layers=1"
 def start_host(workdir, port, i, extra=()) -> subprocess.Popen:
     """Process i of a two-process run, started as on its own host (its own process group), with
     the XLA flags scripts/launch_local.py gives its processes."""
-    from parallel.distributed import ONE_THREAD_FLAGS
-    from parallel.host_devices import FLAG, patient_collectives
+    from parallel.distributed import cpu_process_flags
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
            *SMALL, f"--config.train.steps={STEPS}", f"--config.checkpoint.every={EVERY}",
            "--config.train.eval_every=0", "--config.data.seq_len=128",
@@ -84,11 +83,10 @@ def start_host(workdir, port, i, extra=()) -> subprocess.Popen:
            f"--config.data.cache_dir={ROOT}/.cache/data",
            f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}", *extra,
            "--coordinator", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)]
-    # parallel.distributed.spawn_local's: the user's XLA_FLAGS (launcher_env: conftest's quick
-    # code generation), one XLA thread and one device.
+    # spawn_local's flags on the user's (launcher_env: conftest's quick code generation)
     user = env()
-    host_env = dict(user, PYTHONUNBUFFERED="1", XLA_FLAGS=patient_collectives(" ".join(filter(
-        None, [user.get("XLA_FLAGS", ""), ONE_THREAD_FLAGS, f"{FLAG}=1"]))))
+    host_env = dict(user, PYTHONUNBUFFERED="1",
+                    XLA_FLAGS=cpu_process_flags(user.get("XLA_FLAGS", ""), 1))
     return subprocess.Popen(cmd, cwd=ROOT, env=host_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
